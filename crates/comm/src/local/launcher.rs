@@ -1,0 +1,754 @@
+//! The world of one launch (failure state, mailboxes, groups), the launcher, and the
+//! [`Communicator`] implementation.
+
+use std::any::Any;
+use std::collections::HashMap;
+use std::fmt;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+use candle_core::{Shape, Tensor};
+use crossbeam_channel::{select, unbounded, Receiver, Sender};
+
+use super::group::{agree, Deposit, Group, Shared};
+use crate::reduce::{chunk, copy_into, reduce_into, with_dtype, with_slices, OutBuf};
+use crate::{threads, CommError, Communicator, Peer, ReduceOp, Result, Tag};
+
+/// How a rank failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailureKind {
+    /// The rank's closure returned an error.
+    Error,
+    /// The rank's closure panicked.
+    Panic,
+}
+
+/// One rank's failure, as reported by the launcher.
+#[derive(Debug, Clone)]
+pub struct RankFailure {
+    pub rank: usize,
+    pub kind: FailureKind,
+    pub message: String,
+}
+
+impl fmt::Display for RankFailure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.kind {
+            FailureKind::Error => write!(f, "rank {} failed: {}", self.rank, self.message),
+            FailureKind::Panic => write!(f, "rank {} panicked: {}", self.rank, self.message),
+        }
+    }
+}
+
+/// The failure of a launch: the first rank that failed, and what happened to the others.
+#[derive(Debug, Clone)]
+pub struct LaunchError {
+    /// The first failure (the cause; later failures are usually its consequences).
+    pub first: RankFailure,
+    /// Every other rank that failed, in rank order.
+    pub others: Vec<RankFailure>,
+}
+
+impl fmt::Display for LaunchError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.first)?;
+        if !self.others.is_empty() {
+            write!(f, " ({} other rank(s) stopped as a result)", self.others.len())?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for LaunchError {}
+
+type Mailbox = Mutex<HashMap<(u64, usize, Tag), (Sender<Tensor>, Receiver<Tensor>)>>;
+
+/// Everything the ranks of one launch share.
+pub(crate) struct World {
+    pub timeout: Duration,
+    failure: Mutex<Option<RankFailure>>,
+    aborted: AtomicBool,
+    abort_tx: Mutex<Option<Sender<()>>>,
+    abort_rx: Receiver<()>,
+    exit_tx: Vec<Mutex<Option<Sender<()>>>>,
+    exit_rx: Vec<Receiver<()>>,
+    exited: Vec<AtomicBool>,
+    /// Per destination rank: one channel per (context, source, tag).
+    mailboxes: Vec<Mailbox>,
+    groups: Mutex<Vec<Weak<Group>>>,
+    next_ctx: AtomicU64,
+}
+
+impl World {
+    fn new(size: usize, timeout: Duration) -> World {
+        let (abort_tx, abort_rx) = unbounded();
+        let (exit_tx, exit_rx): (Vec<_>, Vec<_>) = (0..size)
+            .map(|_| {
+                let (t, r) = unbounded();
+                (Mutex::new(Some(t)), r)
+            })
+            .unzip();
+        World {
+            timeout,
+            failure: Mutex::new(None),
+            aborted: AtomicBool::new(false),
+            abort_tx: Mutex::new(Some(abort_tx)),
+            abort_rx,
+            exit_tx,
+            exit_rx,
+            exited: (0..size).map(|_| AtomicBool::new(false)).collect(),
+            mailboxes: (0..size).map(|_| Mutex::new(HashMap::new())).collect(),
+            groups: Mutex::new(Vec::new()),
+            next_ctx: AtomicU64::new(0),
+        }
+    }
+
+    pub fn new_group(&self, name: String, members: Vec<usize>) -> Arc<Group> {
+        let ctx = self.next_ctx.fetch_add(1, Ordering::Relaxed);
+        let g = Arc::new(Group::new(name, members, ctx));
+        let mut groups = lock(&self.groups);
+        groups.retain(|w| w.strong_count() > 0);
+        groups.push(Arc::downgrade(&g));
+        g
+    }
+
+    pub fn is_aborted(&self) -> bool {
+        self.aborted.load(Ordering::Acquire)
+    }
+
+    pub fn has_exited(&self, global: usize) -> bool {
+        self.exited[global].load(Ordering::Acquire)
+    }
+
+    /// Records `f` if it is the first failure, then wakes every blocked rank.
+    /// Must not be called while holding a group's lock.
+    fn fail(&self, f: RankFailure) {
+        {
+            let mut slot = lock(&self.failure);
+            if slot.is_none() {
+                *slot = Some(f);
+            }
+        }
+        self.aborted.store(true, Ordering::Release);
+        lock(&self.abort_tx).take();
+        self.wake_all();
+    }
+
+    pub fn fail_with(&self, rank: usize, err: &CommError) {
+        self.fail(RankFailure {
+            rank,
+            kind: FailureKind::Error,
+            message: err.to_string(),
+        });
+    }
+
+    fn exit(&self, rank: usize) {
+        self.exited[rank].store(true, Ordering::Release);
+        lock(&self.exit_tx[rank]).take();
+        self.wake_all();
+    }
+
+    fn wake_all(&self) {
+        let groups: Vec<Arc<Group>> = lock(&self.groups)
+            .iter()
+            .filter_map(Weak::upgrade)
+            .collect();
+        for g in groups {
+            g.wake();
+        }
+    }
+
+    /// The error for an operation abandoned because another rank failed.
+    pub fn peer_failed(&self, op: &'static str, rank: usize, peer: Peer) -> CommError {
+        let (failed_rank, cause) = match &*lock(&self.failure) {
+            Some(f) => (f.rank, f.to_string()),
+            None => (rank, "the job was aborted".to_string()),
+        };
+        CommError::PeerFailed {
+            op,
+            rank,
+            peer,
+            failed_rank,
+            cause,
+        }
+    }
+
+    /// Fails fast if the job has already been aborted.
+    pub fn check(&self, op: &'static str, rank: usize, peer: Peer) -> Result<()> {
+        if self.is_aborted() {
+            Err(self.peer_failed(op, rank, peer))
+        } else {
+            Ok(())
+        }
+    }
+
+    fn channel(&self, dst: usize, key: (u64, usize, Tag)) -> (Sender<Tensor>, Receiver<Tensor>) {
+        lock(&self.mailboxes[dst])
+            .entry(key)
+            .or_insert_with(unbounded)
+            .clone()
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Starts in-process jobs: one thread per rank.
+///
+/// ```
+/// use std::time::Duration;
+/// use switchyard_comm::local::Launcher;
+///
+/// let ranks = Launcher::new(3)
+///     .timeout(Duration::from_secs(30))
+///     .threads_per_worker(1)
+///     .run(|comm| Ok::<_, String>(comm.rank()))
+///     .unwrap();
+/// assert_eq!(ranks, vec![0, 1, 2]);
+/// ```
+#[derive(Debug, Clone)]
+pub struct Launcher {
+    world_size: usize,
+    timeout: Duration,
+    threads_per_worker: Option<usize>,
+}
+
+impl Launcher {
+    /// The default bound on any single blocking operation: generous, so that a slow
+    /// worker on a loaded machine is not mistaken for a dead one.
+    pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+
+    pub fn new(world_size: usize) -> Launcher {
+        Launcher {
+            world_size,
+            timeout: Self::DEFAULT_TIMEOUT,
+            threads_per_worker: None,
+        }
+    }
+
+    /// Bounds every blocking send, receive and collective.
+    pub fn timeout(mut self, timeout: Duration) -> Launcher {
+        self.timeout = timeout;
+        self
+    }
+
+    /// The size of each rank's compute pool. By default the cores are shared out:
+    /// [`threads::default_threads_per_worker`].
+    pub fn threads_per_worker(mut self, threads: usize) -> Launcher {
+        self.threads_per_worker = Some(threads.max(1));
+        self
+    }
+
+    pub fn world_size(&self) -> usize {
+        self.world_size
+    }
+
+    /// Runs `f` on every rank and returns every rank's value, or the first failure.
+    pub fn run<T, E, F>(&self, f: F) -> std::result::Result<Vec<T>, LaunchError>
+    where
+        T: Send,
+        E: fmt::Display,
+        F: Fn(Arc<dyn Communicator>) -> std::result::Result<T, E> + Sync,
+    {
+        let (outcomes, first) = self.run_inner(f);
+        let mut values = Vec::with_capacity(outcomes.len());
+        let mut failures = Vec::new();
+        for o in outcomes {
+            match o {
+                Ok(v) => values.push(v),
+                Err(e) => failures.push(e),
+            }
+        }
+        if failures.is_empty() {
+            return Ok(values);
+        }
+        let first = first.unwrap_or_else(|| failures[0].clone());
+        let others = failures
+            .into_iter()
+            .filter(|f| f.rank != first.rank)
+            .collect();
+        Err(LaunchError { first, others })
+    }
+
+    /// Runs `f` on every rank and returns each rank's outcome, in rank order.
+    pub fn run_each<T, E, F>(&self, f: F) -> Vec<std::result::Result<T, RankFailure>>
+    where
+        T: Send,
+        E: fmt::Display,
+        F: Fn(Arc<dyn Communicator>) -> std::result::Result<T, E> + Sync,
+    {
+        self.run_inner(f).0
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn run_inner<T, E, F>(
+        &self,
+        f: F,
+    ) -> (
+        Vec<std::result::Result<T, RankFailure>>,
+        Option<RankFailure>,
+    )
+    where
+        T: Send,
+        E: fmt::Display,
+        F: Fn(Arc<dyn Communicator>) -> std::result::Result<T, E> + Sync,
+    {
+        let n = self.world_size;
+        if n == 0 {
+            let f = RankFailure {
+                rank: 0,
+                kind: FailureKind::Error,
+                message: "cannot launch a job of world size 0".into(),
+            };
+            return (vec![Err(f.clone())], Some(f));
+        }
+        let threads = self
+            .threads_per_worker
+            .unwrap_or_else(|| threads::default_threads_per_worker(n));
+        let world = Arc::new(World::new(n, self.timeout));
+        let group = world.new_group("world".into(), (0..n).collect());
+        let f = &f;
+        let outcomes = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..n)
+                .map(|rank| {
+                    let world = world.clone();
+                    let group = group.clone();
+                    std::thread::Builder::new()
+                        .name(format!("switchyard-rank-{rank}"))
+                        .spawn_scoped(s, move || {
+                            let comm: Arc<dyn Communicator> = Arc::new(LocalComm {
+                                world: world.clone(),
+                                group,
+                                me: rank,
+                            });
+                            let outcome = run_rank(threads, || f(comm));
+                            let outcome = outcome.map_err(|(kind, message)| {
+                                let fl = RankFailure {
+                                    rank,
+                                    kind,
+                                    message,
+                                };
+                                world.fail(fl.clone());
+                                fl
+                            });
+                            world.exit(rank);
+                            outcome
+                        })
+                        .expect("spawn a rank thread")
+                })
+                .collect();
+            handles
+                .into_iter()
+                .enumerate()
+                .map(|(rank, h)| {
+                    h.join().unwrap_or_else(|p| {
+                        Err(RankFailure {
+                            rank,
+                            kind: FailureKind::Panic,
+                            message: panic_message(p.as_ref()),
+                        })
+                    })
+                })
+                .collect::<Vec<_>>()
+        });
+        let first = lock(&world.failure).clone();
+        (outcomes, first)
+    }
+}
+
+/// Runs one rank's closure inside its own compute pool, catching panics.
+fn run_rank<T: Send, E: fmt::Display>(
+    threads: usize,
+    f: impl FnOnce() -> std::result::Result<T, E> + Send,
+) -> std::result::Result<T, (FailureKind, String)> {
+    let body = move || match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => Err((FailureKind::Error, e.to_string())),
+        Err(p) => Err((FailureKind::Panic, panic_message(p.as_ref()))),
+    };
+    match threads::worker_pool(threads) {
+        Ok(pool) => pool.install(body),
+        Err(e) => Err((FailureKind::Error, e)),
+    }
+}
+
+fn panic_message(p: &(dyn Any + Send)) -> String {
+    if let Some(s) = p.downcast_ref::<&str>() {
+        s.to_string()
+    } else if let Some(s) = p.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "panic with a non-string payload".into()
+    }
+}
+
+/// Runs every rank of a job on its own thread: see [`Launcher`].
+pub fn launch<T, E, F>(world_size: usize, f: F) -> std::result::Result<Vec<T>, LaunchError>
+where
+    T: Send,
+    E: fmt::Display,
+    F: Fn(Arc<dyn Communicator>) -> std::result::Result<T, E> + Sync,
+{
+    Launcher::new(world_size).run(f)
+}
+
+/// One rank's handle on one group.
+struct LocalComm {
+    world: Arc<World>,
+    group: Arc<Group>,
+    me: usize,
+}
+
+impl LocalComm {
+    fn global(&self) -> usize {
+        self.group.members[self.me]
+    }
+
+    fn n(&self) -> usize {
+        self.group.members.len()
+    }
+
+    fn invalid(&self, op: &'static str, reason: impl Into<String>) -> CommError {
+        CommError::Invalid {
+            op,
+            rank: self.global(),
+            reason: reason.into(),
+        }
+    }
+
+    fn backend(&self, op: &'static str, reason: impl fmt::Display) -> CommError {
+        CommError::Backend {
+            op,
+            rank: self.global(),
+            reason: reason.to_string(),
+        }
+    }
+
+    fn check_peer(&self, op: &'static str, peer: usize) -> Result<()> {
+        if peer >= self.n() {
+            return Err(self.invalid(
+                op,
+                format!(
+                    "peer {peer} is out of range for group {} of size {}",
+                    self.group.describe(),
+                    self.n()
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    fn check_dim(&self, op: &'static str, t: &Tensor, dim: usize) -> Result<()> {
+        if dim >= t.rank() {
+            return Err(self.invalid(
+                op,
+                format!("dim {dim} does not exist in a tensor of shape {:?}", t.dims()),
+            ));
+        }
+        Ok(())
+    }
+
+    fn contiguous(&self, op: &'static str, t: &Tensor) -> Result<Tensor> {
+        if !t.device().is_cpu() {
+            return Err(self.invalid(op, "the in-process transport only moves CPU tensors"));
+        }
+        Ok(t.contiguous().map_err(|e| self.backend(op, e))?.detach())
+    }
+
+    fn deposit(&self, op: &'static str, desc: String) -> Deposit {
+        Deposit {
+            op,
+            desc,
+            ..Deposit::default()
+        }
+    }
+
+    /// Rendezvous 1 allocates one output of `shape`; `fill` writes this rank's part of it
+    /// from the deposits; rendezvous 2 turns the buffer into the shared result.
+    fn fill_shared(
+        &self,
+        op: &'static str,
+        dep: Deposit,
+        shape: Shape,
+        dtype: candle_core::DType,
+        fill: impl FnOnce(&[Deposit], crate::reduce::RawOut) -> std::result::Result<(), String>,
+    ) -> Result<Tensor> {
+        let (shared, deps) = self.group.rendezvous(&self.world, self.me, dep, |st, deps| {
+            agree(deps)?;
+            let out = OutBuf::new(dtype, shape)?;
+            let raw = out.raw();
+            st.out = Some(out);
+            Ok(Shared::Buf(raw))
+        })?;
+        let Shared::Buf(raw) = shared else {
+            unreachable!("rendezvous 1 shares a buffer")
+        };
+        fill(&deps, raw).map_err(|e| self.backend(op, e))?;
+        let done = self.deposit(op, String::new());
+        let (shared, _) = self.group.rendezvous(&self.world, self.me, done, |st, _| {
+            let out = st.out.take().ok_or("internal: output buffer missing")?;
+            out.finish().map(Shared::Tensor).map_err(|e| e.to_string())
+        })?;
+        let Shared::Tensor(t) = shared else {
+            unreachable!("rendezvous 2 shares a tensor")
+        };
+        Ok(t)
+    }
+}
+
+/// The number of elements before `dim` and from `dim` on.
+fn outer_inner(dims: &[usize], dim: usize) -> (usize, usize) {
+    (dims[..dim].iter().product(), dims[dim..].iter().product())
+}
+
+impl Communicator for LocalComm {
+    fn rank(&self) -> usize {
+        self.me
+    }
+
+    fn world_size(&self) -> usize {
+        self.n()
+    }
+
+    fn members(&self) -> Vec<usize> {
+        self.group.members.clone()
+    }
+
+    fn name(&self) -> String {
+        self.group.name.clone()
+    }
+
+    fn send(&self, t: &Tensor, dst: usize, tag: Tag) -> Result<()> {
+        const OP: &str = "send";
+        self.check_peer(OP, dst)?;
+        self.world.check(OP, self.global(), Peer::Rank(dst))?;
+        if !t.device().is_cpu() {
+            return Err(self.invalid(OP, "the in-process transport only moves CPU tensors"));
+        }
+        let dst_global = self.group.members[dst];
+        let (tx, _) = self
+            .world
+            .channel(dst_global, (self.group.ctx, self.global(), tag));
+        tx.send(t.detach())
+            .map_err(|_| self.backend(OP, "mailbox closed"))
+    }
+
+    fn recv(&self, src: usize, tag: Tag) -> Result<Tensor> {
+        const OP: &str = "recv";
+        self.check_peer(OP, src)?;
+        let me = self.global();
+        self.world.check(OP, me, Peer::Rank(src))?;
+        let src_global = self.group.members[src];
+        let (_, rx) = self.world.channel(me, (self.group.ctx, src_global, tag));
+        let deadline = Instant::now() + self.world.timeout;
+        select! {
+            recv(rx) -> m => m.map_err(|_| self.backend(OP, "mailbox closed")),
+            recv(self.world.abort_rx) -> _ => Err(self.world.peer_failed(OP, me, Peer::Rank(src))),
+            recv(self.world.exit_rx[src_global]) -> _ => rx.try_recv().map_err(|_| {
+                CommError::PeerFailed {
+                    op: OP,
+                    rank: me,
+                    peer: Peer::Rank(src),
+                    failed_rank: src_global,
+                    cause: format!("it returned without sending tag {tag}"),
+                }
+            }),
+            default(deadline.saturating_duration_since(Instant::now())) => {
+                let err = CommError::Timeout {
+                    op: OP,
+                    rank: me,
+                    peer: Peer::Rank(src),
+                    after: self.world.timeout,
+                };
+                self.world.fail_with(me, &err);
+                Err(err)
+            }
+        }
+    }
+
+    fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
+        const OP: &str = "all_reduce";
+        let x = self.contiguous(OP, t)?;
+        if self.n() == 1 {
+            self.world.check(OP, self.global(), Peer::Group(self.group.describe()))?;
+            return Ok(x);
+        }
+        let (n, me, dtype) = (self.n(), self.me, x.dtype());
+        let mut dep = self.deposit(OP, format!("shape {:?}, {dtype:?}, {op:?}", x.dims()));
+        dep.tensor = Some(x.clone());
+        let len = x.elem_count();
+        self.fill_shared(OP, dep, x.shape().clone(), dtype, |deps, raw| {
+            let inputs: Vec<Tensor> = deps.iter().map(|d| d.tensor.clone().unwrap()).collect();
+            with_dtype!(dtype, T => with_slices::<T, _>(&inputs, |xs| {
+                let (s, e) = chunk(len, n, me, std::mem::size_of::<T>());
+                // SAFETY: rank `me` alone writes `s..e` before the second rendezvous.
+                let out = unsafe { raw.range::<T>(s, e) };
+                reduce_into(xs, s, out, op);
+            }))
+        })
+    }
+
+    fn all_gather(&self, t: &Tensor, dim: usize) -> Result<Tensor> {
+        const OP: &str = "all_gather";
+        self.check_dim(OP, t, dim)?;
+        let x = self.contiguous(OP, t)?;
+        if self.n() == 1 {
+            self.world.check(OP, self.global(), Peer::Group(self.group.describe()))?;
+            return Ok(x);
+        }
+        let (n, me, dtype) = (self.n(), self.me, x.dtype());
+        let mut out_dims = x.dims().to_vec();
+        out_dims[dim] *= n;
+        let (outer, inner) = outer_inner(x.dims(), dim);
+        let dep = self.deposit(OP, format!("shape {:?}, {dtype:?}, dim {dim}", x.dims()));
+        self.fill_shared(OP, dep, Shape::from(out_dims), dtype, |_, raw| {
+            with_dtype!(dtype, T => with_slices::<T, _>(std::slice::from_ref(&x), |xs| {
+                for o in 0..outer {
+                    let s = (o * n + me) * inner;
+                    // SAFETY: rank `me` alone writes its blocks before the second rendezvous.
+                    let out = unsafe { raw.range::<T>(s, s + inner) };
+                    copy_into(&xs[0][o * inner..(o + 1) * inner], out);
+                }
+            }))
+        })
+    }
+
+    fn reduce_scatter(&self, t: &Tensor, dim: usize, op: ReduceOp) -> Result<Tensor> {
+        const OP: &str = "reduce_scatter";
+        self.check_dim(OP, t, dim)?;
+        let n = self.n();
+        if t.dims()[dim] % n != 0 {
+            return Err(self.invalid(
+                OP,
+                format!(
+                    "dim {dim} of shape {:?} does not split into {n} equal parts",
+                    t.dims()
+                ),
+            ));
+        }
+        let x = self.contiguous(OP, t)?;
+        if n == 1 {
+            self.world.check(OP, self.global(), Peer::Group(self.group.describe()))?;
+            return Ok(x);
+        }
+        let (me, dtype) = (self.me, x.dtype());
+        let mut dep = self.deposit(
+            OP,
+            format!("shape {:?}, {dtype:?}, dim {dim}, {op:?}", x.dims()),
+        );
+        dep.tensor = Some(x.clone());
+        let (_, deps) = self
+            .group
+            .rendezvous(&self.world, self.me, dep, |_, deps| agree(deps).map(|_| Shared::None))?;
+        let mut out_dims = x.dims().to_vec();
+        out_dims[dim] /= n;
+        let (outer, inner) = outer_inner(x.dims(), dim);
+        let piece = inner / n;
+        let out_shape = Shape::from(out_dims);
+        let inputs: Vec<Tensor> = deps.iter().map(|d| d.tensor.clone().unwrap()).collect();
+        let result = (|| {
+            let out = OutBuf::new(dtype, out_shape)?;
+            let raw = out.raw();
+            with_dtype!(dtype, T => with_slices::<T, _>(&inputs, |xs| {
+                for o in 0..outer {
+                    // SAFETY: this buffer is private to this rank.
+                    let dst = unsafe { raw.range::<T>(o * piece, (o + 1) * piece) };
+                    reduce_into(xs, o * inner + me * piece, dst, op);
+                }
+            }))?;
+            out.finish().map_err(|e| e.to_string())
+        })();
+        result.map_err(|e| self.backend(OP, e))
+    }
+
+    fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor> {
+        const OP: &str = "broadcast";
+        self.check_peer(OP, root)?;
+        if self.n() == 1 {
+            self.world.check(OP, self.global(), Peer::Group(self.group.describe()))?;
+            return Ok(t.detach());
+        }
+        let mut dep = self.deposit(OP, format!("root {root}"));
+        if self.me == root {
+            dep.tensor = Some(self.contiguous(OP, t)?);
+        }
+        let (_, deps) = self
+            .group
+            .rendezvous(&self.world, self.me, dep, |_, deps| agree(deps).map(|_| Shared::None))?;
+        Ok(deps[root].tensor.clone().expect("the root deposited its tensor"))
+    }
+
+    fn all_to_all(&self, parts: Vec<Tensor>) -> Result<Vec<Tensor>> {
+        const OP: &str = "all_to_all";
+        let n = self.n();
+        if parts.len() != n {
+            return Err(self.invalid(
+                OP,
+                format!("{} parts given for a group of size {n}", parts.len()),
+            ));
+        }
+        let parts = parts
+            .iter()
+            .map(|p| self.contiguous(OP, p))
+            .collect::<Result<Vec<_>>>()?;
+        let mut dep = self.deposit(OP, String::new());
+        dep.parts = parts;
+        let (_, deps) = self
+            .group
+            .rendezvous(&self.world, self.me, dep, |_, deps| agree(deps).map(|_| Shared::None))?;
+        Ok(deps.iter().map(|d| d.parts[self.me].clone()).collect())
+    }
+
+    fn barrier(&self) -> Result<()> {
+        let dep = self.deposit("barrier", String::new());
+        self.group
+            .rendezvous(&self.world, self.me, dep, |_, deps| agree(deps).map(|_| Shared::None))?;
+        Ok(())
+    }
+
+    fn split_named(&self, color: usize, key: usize, name: &str) -> Result<Arc<dyn Communicator>> {
+        const OP: &str = "split";
+        let mut dep = self.deposit(OP, String::new());
+        dep.color_key = (color, key);
+        let members = &self.group.members;
+        let world = &self.world;
+        let name = name.to_string();
+        let (shared, _) = self.group.rendezvous(&self.world, self.me, dep, |_, deps| {
+            agree(deps)?;
+            let mut by_color: HashMap<usize, Vec<(usize, usize)>> = HashMap::new();
+            for (r, d) in deps.iter().enumerate() {
+                by_color.entry(d.color_key.0).or_default().push((d.color_key.1, r));
+            }
+            let mut groups = HashMap::new();
+            for (c, mut ranks) in by_color {
+                ranks.sort();
+                if let Some(w) = ranks.windows(2).find(|w| w[0].0 == w[1].0) {
+                    return Err(format!(
+                        "ranks {} and {} both asked for key {} in colour {c}",
+                        w[0].1, w[1].1, w[0].0
+                    ));
+                }
+                let globals = ranks.iter().map(|&(_, r)| members[r]).collect();
+                groups.insert(c, world.new_group(name.clone(), globals));
+            }
+            Ok(Shared::Groups(Arc::new(groups)))
+        })?;
+        let Shared::Groups(groups) = shared else {
+            unreachable!("split shares groups")
+        };
+        let group = groups[&color].clone();
+        let me = group
+            .members
+            .iter()
+            .position(|&g| g == self.global())
+            .expect("a rank belongs to the group of its colour");
+        Ok(Arc::new(LocalComm {
+            world: self.world.clone(),
+            group,
+            me,
+        }))
+    }
+}

@@ -1,0 +1,1 @@
+//! switchyard-models (under construction)

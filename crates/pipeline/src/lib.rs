@@ -1,0 +1,1 @@
+//! switchyard-pipeline (under construction)

@@ -1,0 +1,1 @@
+//! switchyard-schedule (under construction)

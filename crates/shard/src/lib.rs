@@ -1,0 +1,1 @@
+//! switchyard-shard (under construction)

@@ -1,0 +1,1 @@
+//! switchyard-train (under construction)
