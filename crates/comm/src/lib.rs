@@ -56,6 +56,7 @@ use std::sync::Arc;
 use candle_core::Tensor;
 
 pub mod conformance;
+mod counting;
 mod error;
 pub mod local;
 mod mesh;
@@ -64,6 +65,7 @@ mod reduce;
 pub mod threads;
 
 pub use error::{CommError, Peer, Result};
+pub use counting::{Counting, Counts};
 pub use mesh::{Mesh, MeshCoord, MeshShape};
 
 /// A message tag. Messages between the same pair of ranks are matched by tag, so

@@ -145,43 +145,44 @@ pub(crate) fn reduce_into<T: WithDType>(
     out: &mut [MaybeUninit<T>],
     op: ReduceOp,
 ) {
-    let n = inputs.len();
     let len = out.len();
-    let first = &inputs[0][off..off + len];
-    // Work in cache-sized blocks so each input block is read once while the output block
-    // stays in L1.
-    const BLOCK: usize = 2048;
-    let mut acc = [T::zero(); BLOCK];
+    if inputs.len() == 1 {
+        copy_into(&inputs[0][off..off + len], out);
+        return;
+    }
+    // SAFETY: the first pass below writes every element before any is read.
+    let out: &mut [T] = unsafe { &mut *(out as *mut [MaybeUninit<T>] as *mut [T]) };
+    // Blocks small enough that the output block stays in L1 across the passes.
+    const BLOCK: usize = 4096;
+    let combine = |a: T, b: T| match op {
+        ReduceOp::Sum | ReduceOp::Mean => a + b,
+        ReduceOp::Max => {
+            if b > a || b.to_f64().is_nan() {
+                b
+            } else {
+                a
+            }
+        }
+    };
     let mut start = 0;
     while start < len {
         let end = (start + BLOCK).min(len);
-        let a = &mut acc[..end - start];
-        a.copy_from_slice(&first[start..end]);
-        for input in &inputs[1..] {
-            let x = &input[off + start..off + end];
-            match op {
-                ReduceOp::Sum | ReduceOp::Mean => {
-                    for (a, &x) in a.iter_mut().zip(x) {
-                        *a += x;
-                    }
-                }
-                ReduceOp::Max => {
-                    for (a, &x) in a.iter_mut().zip(x) {
-                        if x > *a || x != x {
-                            *a = x;
-                        }
-                    }
-                }
+        let o = &mut out[start..end];
+        let x0 = &inputs[0][off + start..off + end];
+        let x1 = &inputs[1][off + start..off + end];
+        for ((o, &a), &b) in o.iter_mut().zip(x0).zip(x1) {
+            *o = combine(a, b);
+        }
+        for x in &inputs[2..] {
+            for (o, &b) in o.iter_mut().zip(&x[off + start..off + end]) {
+                *o = combine(*o, b);
             }
         }
         if op == ReduceOp::Mean {
-            let d = T::from_f64(n as f64);
-            for a in a.iter_mut() {
-                *a /= d;
+            let d = T::from_f64(inputs.len() as f64);
+            for o in o.iter_mut() {
+                *o /= d;
             }
-        }
-        for (o, &a) in out[start..end].iter_mut().zip(a.iter()) {
-            o.write(a);
         }
         start = end;
     }

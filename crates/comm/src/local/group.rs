@@ -11,6 +11,7 @@
 //! collective needs a trailing barrier just to protect its inputs.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -61,10 +62,15 @@ pub(crate) struct Group {
     pub ctx: u64,
     state: Mutex<State>,
     cv: Condvar,
+    /// A copy of `State::gen` that waiters can spin on without the lock.
+    gen: AtomicU64,
 }
 
 /// How often a blocked rank re-checks for failures it was not woken for.
 const POLL: Duration = Duration::from_millis(50);
+/// How many times a waiting rank checks for the others before it sleeps. Collectives
+/// of a training step arrive close together; a short spin saves the futex wake-up.
+const SPIN: u32 = 4000;
 
 impl Group {
     pub fn new(name: String, members: Vec<usize>, ctx: u64) -> Group {
@@ -79,6 +85,7 @@ impl Group {
             ctx,
             state: Mutex::new(state),
             cv: Condvar::new(),
+            gen: AtomicU64::new(0),
         }
     }
 
@@ -129,8 +136,21 @@ impl Group {
             st.slots[p] = deps;
             st.results[p] = Some(r);
             st.gen += 1;
+            self.gen.store(st.gen, Ordering::Release);
             self.cv.notify_all();
         } else {
+            drop(st);
+            for i in 0..SPIN {
+                if self.gen.load(Ordering::Acquire) != my_gen {
+                    break;
+                }
+                if i % 64 == 63 {
+                    std::thread::yield_now();
+                } else {
+                    std::hint::spin_loop();
+                }
+            }
+            st = self.lock();
             let start = Instant::now();
             while st.gen == my_gen {
                 if world.is_aborted() {
