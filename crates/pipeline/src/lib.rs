@@ -1,1 +1,61 @@
-//! switchyard-pipeline (under construction)
+//! # switchyard-pipeline: run one rank's schedule with candle autograd
+//!
+//! A pipeline-parallel step is a *program* from `switchyard-schedule`: for each rank, the
+//! ordered list of actions it performs (`1F3`: forward of stage 1 on microbatch 3; `2RF3`:
+//! stage 2 receives that activation; `1B3`, `1I3`, `1W3`: backward, or its input- and
+//! weight-gradient halves). This crate holds the [`Stage`] trait and the [`Executor`]
+//! that performs one rank's actions, in the order given. The executor never chooses what
+//! comes next: any valid program runs, including interleaved programs (several stages
+//! per rank), zero-bubble programs (split backward) and custom schedules loaded from CSV.
+//!
+//! ## How an action runs
+//!
+//! * `F`: the input is the microbatch itself (first stage), a received activation, or
+//!   the output of the previous stage on the same rank. It is wrapped in a `Var` so its
+//!   gradient can be read later, the stage runs forward with candle autograd, and the
+//!   output is stashed with the graph. On the last stage the loss function turns the
+//!   output into a scalar loss.
+//! * `B` (or `I`): the upstream gradient `g` is injected by back-propagating the scalar
+//!   `Σ out ⊙ g` (candle seeds backward with ones); the last stage back-propagates
+//!   `loss · loss_scale`. The input gradient is sent on (or handed to the previous stage
+//!   on this rank), parameter gradients are accumulated over microbatches, and the stash
+//!   entry is dropped, so its activations are freed at once. A split backward keeps the
+//!   parameter gradients of `I` until its `W` adds them in.
+//! * `SF`/`RF`/`SB`/`RB`: point-to-point messages over the pipeline communicator, tagged
+//!   with [`switchyard_schedule::tag`].
+//!
+//! The executor measures, rather than computes, what the simulator predicts: the peak
+//! number of microbatches whose activations it holds (per rank and per stage), and the
+//! time of every action (a trace that opens in Perfetto).
+//!
+//! ## Example: two stages on two threads
+//!
+//! ```
+//! use candle_core::{Device, Tensor, Var};
+//! use switchyard_comm::local;
+//! use switchyard_pipeline::{Executor, Microbatches, ModuleStage};
+//! use switchyard_schedule::{generate, lower, ScheduleKind};
+//!
+//! let program = lower(&generate(ScheduleKind::OneFOneB, 2, 4).unwrap()).unwrap();
+//! let results = local::launch(2, |comm| {
+//!     let w = Var::new(&[[0.5f32]], &Device::Cpu)?;
+//!     let wt = w.as_tensor().clone();
+//!     let stage = ModuleStage::from_fn(move |x: &Tensor| x.matmul(&wt), vec![w]);
+//!     let exec = Executor::new(&program, &*comm, vec![(comm.rank() as u32, &stage)])?;
+//!     let inputs = (0..4).map(|i| Tensor::new(&[[i as f32]], &Device::Cpu)).collect::<Result<Vec<_>, _>>()?;
+//!     let loss = |out: &Tensor, _mb: usize| out.sum_all();
+//!     let out = exec.run(&Microbatches { inputs, loss: &loss, loss_scale: 0.25 })?;
+//!     Ok::<_, candle_core::Error>(out.losses.len())
+//! })
+//! .unwrap();
+//! assert_eq!(results, vec![0, 4]); // the last stage saw every microbatch's loss
+//! ```
+//!
+//! Tutorial: `docs/tutorial/02-pipeline-parallelism.md` and, for custom schedules,
+//! `docs/tutorial/06-custom-schedule.md`.
+
+mod executor;
+mod stage;
+
+pub use executor::{Executor, Microbatches, StepOutput, StepStats, TraceEvent};
+pub use stage::{ModuleStage, Stage};

@@ -1,0 +1,349 @@
+//! The executor: performs one rank's actions of a lowered program.
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::{Duration, Instant};
+
+use candle_core::{bail, Result, Tensor, Var};
+use serde::Serialize;
+use switchyard_comm::Communicator;
+use switchyard_schedule::{lower, tag, validate, Action, Op, Program};
+
+use crate::Stage;
+
+/// One step's microbatches.
+pub struct Microbatches<'b> {
+    /// The input of each microbatch to the first stage. Only the rank that runs stage 0
+    /// reads it; other ranks may pass an empty vector.
+    pub inputs: Vec<Tensor>,
+    /// On the last stage: the scalar loss of a microbatch from the stage's output and
+    /// the microbatch index.
+    pub loss: &'b (dyn Fn(&Tensor, usize) -> Result<Tensor> + Sync),
+    /// What each microbatch's loss is multiplied by before its backward pass, so that
+    /// the accumulated gradients are those of the mean loss (`1 / (microbatches · dp)`
+    /// for a data-parallel mean).
+    pub loss_scale: f64,
+}
+
+/// One action's place on the timeline.
+#[derive(Debug, Clone, Serialize)]
+pub struct TraceEvent {
+    /// The action, in text form (`1F3`).
+    pub action: String,
+    /// Start, in microseconds since the executor's epoch.
+    pub start_us: f64,
+    /// Duration in microseconds.
+    pub dur_us: f64,
+}
+
+/// What the executor measured during a step.
+#[derive(Debug, Clone, Default)]
+pub struct StepStats {
+    /// The most microbatches whose activations this rank held at once (from their
+    /// forward until their backward, or their `W` for a split backward).
+    pub peak_activations: usize,
+    /// The same, per stage on this rank.
+    pub peak_per_stage: BTreeMap<u32, usize>,
+    /// Every action, in order.
+    pub events: Vec<TraceEvent>,
+    /// Time spent in compute actions (`F`, `B`, `I`, `W`).
+    pub compute: Duration,
+    /// Time from the start to the end of the step on this rank.
+    pub wall: Duration,
+}
+
+/// The result of one step on one rank.
+#[derive(Debug)]
+pub struct StepOutput {
+    /// The loss of each microbatch that finished on this rank (last stage only),
+    /// unscaled, as `(microbatch, loss)`.
+    pub losses: Vec<(u32, f64)>,
+    /// Per stage on this rank: the gradient of each parameter, in the order of
+    /// [`Stage::params`], summed over microbatches (`None` if it got none).
+    pub grads: BTreeMap<u32, Vec<Option<Tensor>>>,
+    pub stats: StepStats,
+}
+
+/// Runs one rank's actions of a program.
+pub struct Executor<'a> {
+    program: Program,
+    rank: u32,
+    comm: &'a dyn Communicator,
+    stages: BTreeMap<u32, &'a dyn Stage>,
+    epoch: Instant,
+}
+
+/// What a forward pass leaves for its backward pass.
+struct Stashed {
+    input: Option<Var>,
+    /// The stage output, or the loss on the last stage.
+    output: Tensor,
+}
+
+impl<'a> Executor<'a> {
+    /// An executor for rank `comm.rank()` of `program`, running `stages` (stage id and
+    /// module, one per stage the program gives this rank).
+    ///
+    /// A program that spans several ranks and has no communication ops is lowered first.
+    /// The program is validated; an invalid one is refused with the validator's message
+    /// before anything runs.
+    pub fn new(
+        program: &Program,
+        comm: &'a dyn Communicator,
+        stages: Vec<(u32, &'a dyn Stage)>,
+    ) -> Result<Self> {
+        let program = if program.num_ranks() > 1 && !program.is_lowered() {
+            lower(program)
+                .map_err(|e| candle_core::Error::Msg(format!("invalid pipeline program: {e}")))?
+        } else {
+            program.clone()
+        };
+        validate(&program)
+            .map_err(|e| candle_core::Error::Msg(format!("invalid pipeline program: {e}")))?;
+        if comm.world_size() != program.num_ranks() {
+            bail!(
+                "the program has {} ranks but the pipeline group has {}",
+                program.num_ranks(),
+                comm.world_size()
+            );
+        }
+        let rank = comm.rank() as u32;
+        let want = program.stages_of_rank(rank);
+        let stages: BTreeMap<u32, &dyn Stage> = stages.into_iter().collect();
+        let have: Vec<u32> = stages.keys().copied().collect();
+        if have != want {
+            bail!("rank {rank} runs stages {want:?} of the program but was given stages {have:?}");
+        }
+        Ok(Executor {
+            program,
+            rank,
+            comm,
+            stages,
+            epoch: Instant::now(),
+        })
+    }
+
+    /// Measures trace times from `epoch` (share one across ranks for one timeline).
+    pub fn with_epoch(mut self, epoch: Instant) -> Self {
+        self.epoch = epoch;
+        self
+    }
+
+    /// The (lowered, validated) program this executor runs.
+    pub fn program(&self) -> &Program {
+        &self.program
+    }
+
+    fn last_stage(&self) -> u32 {
+        self.program.num_stages - 1
+    }
+
+    fn peer(&self, a: &Action) -> Result<usize> {
+        match self.program.peer_rank(a) {
+            Some(r) => Ok(r as usize),
+            None => bail!("rank {}: {a} has no peer stage", self.rank),
+        }
+    }
+
+    /// Runs this rank's actions for one step.
+    pub fn run(&self, mb: &Microbatches) -> Result<StepOutput> {
+        let r = self.rank;
+        let start = Instant::now();
+        let mut stash: HashMap<(u32, u32), Stashed> = HashMap::new();
+        let mut acts: HashMap<(u32, u32), Tensor> = HashMap::new(); // inputs of (stage, mb)
+        let mut grads_in: HashMap<(u32, u32), Tensor> = HashMap::new(); // output grads of (stage, mb)
+        let mut outbox: HashMap<(u32, u32, bool), Tensor> = HashMap::new(); // (stage, mb, is_grad)
+        let mut pending_w: HashMap<(u32, u32), Vec<Option<Tensor>>> = HashMap::new();
+        let mut acc: BTreeMap<u32, Vec<Option<Tensor>>> = self
+            .stages
+            .iter()
+            .map(|(&s, st)| (s, vec![None; st.params().len()]))
+            .collect();
+        let mut held: BTreeMap<u32, usize> = self.stages.keys().map(|&s| (s, 0)).collect();
+        let mut stats = StepStats {
+            peak_per_stage: held.clone(),
+            ..StepStats::default()
+        };
+        let mut losses = Vec::new();
+        let last = self.last_stage();
+
+        for a in &self.program.ranks[r as usize] {
+            let t0 = Instant::now();
+            let (s, m) = (a.stage, a.microbatch);
+            let key = (s, m);
+            match a.op {
+                Op::F => {
+                    let stage = self.stage(s)?;
+                    let (x, input) = if s == 0 {
+                        let Some(x) = mb.inputs.get(m as usize) else {
+                            bail!(
+                                "rank {r}: {a} needs input microbatch {m}, but only {} were given",
+                                mb.inputs.len()
+                            );
+                        };
+                        (x.clone(), None)
+                    } else {
+                        let Some(x) = acts.remove(&key) else {
+                            bail!("rank {r}: {a} has no input activation (no {s}RF{m} before it, and stage {} is not on this rank)", s - 1);
+                        };
+                        let v = Var::from_tensor(&x)?;
+                        (v.as_tensor().clone(), Some(v))
+                    };
+                    let out = stage.forward(&x)?;
+                    let output = if s == last {
+                        let loss = (mb.loss)(&out, m as usize)?;
+                        losses.push((
+                            m,
+                            loss.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?,
+                        ));
+                        loss
+                    } else {
+                        self.hand_off(&mut acts, &mut outbox, s + 1, m, out.detach(), false);
+                        out
+                    };
+                    stash.insert(key, Stashed { input, output });
+                    let h = held.get_mut(&s).expect("stage of this rank");
+                    *h += 1;
+                    let peak = stats
+                        .peak_per_stage
+                        .get_mut(&s)
+                        .expect("stage of this rank");
+                    *peak = (*peak).max(*h);
+                    stats.peak_activations = stats.peak_activations.max(held.values().sum());
+                }
+                Op::B | Op::I => {
+                    let stage = self.stage(s)?;
+                    let Some(st) = stash.remove(&key) else {
+                        bail!("rank {r}: {a} runs before the forward {s}F{m}");
+                    };
+                    let root = if s == last {
+                        st.output.affine(mb.loss_scale, 0.0)?
+                    } else {
+                        let Some(g) = grads_in.remove(&key) else {
+                            bail!("rank {r}: {a} has no output gradient (no {s}RB{m} before it, and stage {} is not on this rank)", s + 1);
+                        };
+                        st.output.mul(&g)?.sum_all()?
+                    };
+                    let grads = root.backward()?;
+                    if let Some(input) = &st.input {
+                        let Some(gi) = grads.get(input.as_tensor()) else {
+                            bail!("rank {r}: {a}: the stage output does not depend on its input");
+                        };
+                        self.hand_off(&mut grads_in, &mut outbox, s - 1, m, gi.clone(), true);
+                    }
+                    let pg: Vec<Option<Tensor>> = stage
+                        .params()
+                        .iter()
+                        .map(|p| grads.get(p.as_tensor()).cloned())
+                        .collect();
+                    drop(st);
+                    if a.op == Op::B {
+                        add_into(acc.get_mut(&s).expect("stage of this rank"), pg)?;
+                        *held.get_mut(&s).expect("stage of this rank") -= 1;
+                    } else {
+                        pending_w.insert(key, pg);
+                    }
+                }
+                Op::W => {
+                    let Some(pg) = pending_w.remove(&key) else {
+                        bail!("rank {r}: {a} runs before its input-gradient half {s}I{m}");
+                    };
+                    add_into(acc.get_mut(&s).expect("stage of this rank"), pg)?;
+                    *held.get_mut(&s).expect("stage of this rank") -= 1;
+                }
+                Op::SendF | Op::SendB => {
+                    let is_grad = a.op == Op::SendB;
+                    let Some(t) = outbox.remove(&(s, m, is_grad)) else {
+                        bail!(
+                            "rank {r}: {a} has nothing to send (its {} has not run)",
+                            if is_grad { "backward" } else { "forward" }
+                        );
+                    };
+                    self.comm.send(&t, self.peer(a)?, tag(a))?;
+                }
+                Op::RecvF => {
+                    let t = self.comm.recv(self.peer(a)?, tag(a))?;
+                    acts.insert(key, t);
+                }
+                Op::RecvB => {
+                    let t = self.comm.recv(self.peer(a)?, tag(a))?;
+                    grads_in.insert(key, t);
+                }
+            }
+            let t1 = Instant::now();
+            if a.op.is_compute() {
+                stats.compute += t1 - t0;
+            }
+            stats.events.push(TraceEvent {
+                action: a.to_string(),
+                start_us: (t0 - self.epoch).as_secs_f64() * 1e6,
+                dur_us: (t1 - t0).as_secs_f64() * 1e6,
+            });
+        }
+        if !stash.is_empty() || !pending_w.is_empty() || !outbox.is_empty() {
+            let mut left: Vec<String> = stash
+                .keys()
+                .map(|(s, m)| format!("{s}F{m} without backward"))
+                .collect();
+            left.extend(
+                pending_w
+                    .keys()
+                    .map(|(s, m)| format!("{s}I{m} without {s}W{m}")),
+            );
+            left.extend(
+                outbox
+                    .keys()
+                    .map(|(s, m, g)| format!("{s}{}{m} never sent", if *g { "SB" } else { "SF" })),
+            );
+            left.sort();
+            bail!(
+                "rank {r}: the program left work unfinished: {}",
+                left.join(", ")
+            );
+        }
+        stats.wall = start.elapsed();
+        Ok(StepOutput {
+            losses,
+            grads: acc,
+            stats,
+        })
+    }
+
+    fn stage(&self, s: u32) -> Result<&'a dyn Stage> {
+        match self.stages.get(&s) {
+            Some(st) => Ok(*st),
+            None => bail!("rank {}: stage {s} does not run on this rank", self.rank),
+        }
+    }
+
+    /// Gives `t` (an activation for stage `to`, or a gradient for stage `to`) to the next
+    /// action that needs it: directly if stage `to` runs here, else to the outbox of the
+    /// send that the lowering placed.
+    fn hand_off(
+        &self,
+        local: &mut HashMap<(u32, u32), Tensor>,
+        outbox: &mut HashMap<(u32, u32, bool), Tensor>,
+        to: u32,
+        m: u32,
+        t: Tensor,
+        is_grad: bool,
+    ) {
+        if self.program.rank_of_stage(to) == self.rank {
+            local.insert((to, m), t);
+        } else {
+            let from = if is_grad { to + 1 } else { to - 1 };
+            outbox.insert((from, m, is_grad), t);
+        }
+    }
+}
+
+fn add_into(acc: &mut [Option<Tensor>], new: Vec<Option<Tensor>>) -> Result<()> {
+    for (a, n) in acc.iter_mut().zip(new) {
+        if let Some(n) = n {
+            *a = Some(match a.take() {
+                Some(prev) => (prev + n)?,
+                None => n,
+            });
+        }
+    }
+    Ok(())
+}

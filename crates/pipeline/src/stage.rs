@@ -1,0 +1,56 @@
+//! The [`Stage`] trait: what the executor needs from one pipeline stage.
+
+use candle_core::{Module, Result, Tensor, Var};
+
+/// One pipeline stage: a differentiable function of one microbatch, and its parameters.
+///
+/// The first stage receives the microbatch input (for a language model, token ids);
+/// later stages receive the previous stage's output. The executor collects gradients
+/// for exactly the parameters [`Stage::params`] lists, in that order.
+pub trait Stage: Send + Sync {
+    /// Runs the stage forward, with candle autograd.
+    fn forward(&self, x: &Tensor) -> Result<Tensor>;
+    /// The parameters to collect gradients for.
+    fn params(&self) -> &[Var];
+}
+
+/// Any candle [`Module`] (or closure) with its parameters, as a [`Stage`].
+pub struct ModuleStage<M> {
+    module: M,
+    params: Vec<Var>,
+}
+
+impl<M: Module + Send + Sync> ModuleStage<M> {
+    pub fn new(module: M, params: Vec<Var>) -> Self {
+        ModuleStage { module, params }
+    }
+}
+
+/// A closure as a module.
+pub struct FnModule<F>(F);
+
+impl<F: Fn(&Tensor) -> Result<Tensor>> Module for FnModule<F> {
+    fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+        (self.0)(xs)
+    }
+}
+
+impl<F: Fn(&Tensor) -> Result<Tensor> + Send + Sync> ModuleStage<FnModule<F>> {
+    /// A stage from a closure.
+    pub fn from_fn(f: F, params: Vec<Var>) -> Self {
+        ModuleStage {
+            module: FnModule(f),
+            params,
+        }
+    }
+}
+
+impl<M: Module + Send + Sync> Stage for ModuleStage<M> {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.module.forward(x)
+    }
+
+    fn params(&self) -> &[Var] {
+        &self.params
+    }
+}

@@ -1,0 +1,188 @@
+//! The executor against a serial computation of the same chain of stages, for every
+//! schedule kind and a hand-written CSV schedule; and its refusals.
+
+use std::collections::BTreeMap;
+
+use candle_core::{DType, Device, Result, Tensor, Var};
+use switchyard_comm::local;
+use switchyard_pipeline::{Executor, Microbatches, ModuleStage, Stage};
+use switchyard_schedule::{generate, simulate, Costs, Program, ScheduleKind};
+
+const D: usize = 6;
+const ROWS: usize = 3;
+
+fn weight(stage: u32) -> Result<Tensor> {
+    let v: Vec<f64> = (0..D * D)
+        .map(|i| (((i * 7 + stage as usize * 13) % 11) as f64 - 5.0) / 10.0)
+        .collect();
+    Tensor::from_vec(v, (D, D), &Device::Cpu)
+}
+
+fn input(m: usize) -> Result<Tensor> {
+    let v: Vec<f64> = (0..ROWS * D)
+        .map(|i| ((i + 3 * m) % 5) as f64 / 4.0 - 0.5)
+        .collect();
+    Tensor::from_vec(v, (ROWS, D), &Device::Cpu)
+}
+
+fn target(m: usize) -> Result<Tensor> {
+    input(m + 1)
+}
+
+fn stage(s: u32) -> Result<ModuleStage<impl candle_core::Module + Send + Sync>> {
+    let w = Var::from_tensor(&weight(s)?)?;
+    let wt = w.as_tensor().clone();
+    Ok(ModuleStage::from_fn(
+        move |x: &Tensor| x.matmul(&wt)?.tanh(),
+        vec![w],
+    ))
+}
+
+fn loss(out: &Tensor, m: usize) -> Result<Tensor> {
+    (out - target(m)?)?.sqr()?.mean_all()
+}
+
+/// The serial gradient of stage `s`'s weight for the mean loss over `m` microbatches,
+/// and the mean loss.
+fn serial(stages: u32, m: usize) -> Result<(Vec<Tensor>, f64)> {
+    let ws: Vec<Var> = (0..stages)
+        .map(|s| Var::from_tensor(&weight(s)?))
+        .collect::<Result<_>>()?;
+    let mut total = Tensor::zeros((), DType::F64, &Device::Cpu)?;
+    for i in 0..m {
+        let mut x = input(i)?;
+        for w in &ws {
+            x = x.matmul(w.as_tensor())?.tanh()?;
+        }
+        total = (total + loss(&x, i)?)?;
+    }
+    let total = (total / m as f64)?;
+    let grads = total.backward()?;
+    let g = ws
+        .iter()
+        .map(|w| grads.get(w.as_tensor()).unwrap().clone())
+        .collect();
+    Ok((g, total.to_scalar::<f64>()?))
+}
+
+type RankOut = (BTreeMap<u32, Tensor>, Vec<(u32, f64)>, usize);
+
+fn run(program: &Program) -> Vec<RankOut> {
+    let m = program.num_microbatches as usize;
+    local::launch(program.num_ranks(), |comm| {
+        let mine = program.stages_of_rank(comm.rank() as u32);
+        let modules = mine.iter().map(|&s| stage(s)).collect::<Result<Vec<_>>>()?;
+        let stages: Vec<(u32, &dyn Stage)> = mine
+            .iter()
+            .copied()
+            .zip(modules.iter().map(|s| s as &dyn Stage))
+            .collect();
+        let exec = Executor::new(program, &*comm, stages)?;
+        let inputs = (0..m).map(input).collect::<Result<Vec<_>>>()?;
+        let out = exec.run(&Microbatches {
+            inputs,
+            loss: &loss,
+            loss_scale: 1.0 / m as f64,
+        })?;
+        let grads = out
+            .grads
+            .into_iter()
+            .map(|(s, g)| (s, g[0].clone().unwrap()))
+            .collect();
+        Ok::<_, candle_core::Error>((grads, out.losses, out.stats.peak_activations))
+    })
+    .unwrap()
+}
+
+fn check(program: &Program) {
+    let (want, want_loss) = serial(program.num_stages, program.num_microbatches as usize).unwrap();
+    let outs = run(program);
+    let mut seen = 0;
+    let mut losses = Vec::new();
+    for (grads, l, _) in &outs {
+        losses.extend(l.iter().map(|(_, l)| *l));
+        for (s, g) in grads {
+            let diff = (g - &want[*s as usize])
+                .unwrap()
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f64>()
+                .unwrap();
+            assert!(diff < 1e-12, "stage {s}: gradient differs by {diff}");
+            seen += 1;
+        }
+    }
+    assert_eq!(
+        seen, program.num_stages as usize,
+        "every stage reported a gradient"
+    );
+    assert_eq!(losses.len(), program.num_microbatches as usize);
+    let mean = losses.iter().sum::<f64>() / losses.len() as f64;
+    assert!(
+        (mean - want_loss).abs() < 1e-12,
+        "loss {mean} vs {want_loss}"
+    );
+}
+
+#[test]
+fn every_schedule_matches_serial() {
+    for (kind, p, m) in [
+        (ScheduleKind::GPipe, 2, 3),
+        (ScheduleKind::OneFOneB, 3, 5),
+        (ScheduleKind::OneFOneB, 1, 2),
+        (ScheduleKind::Interleaved { virtual_stages: 2 }, 2, 4),
+        (ScheduleKind::ZbH1, 3, 6),
+    ] {
+        let program = generate(kind, p, m).unwrap();
+        check(&program);
+    }
+}
+
+#[test]
+fn a_custom_csv_schedule_runs() {
+    // Two ranks, stages 0 and 1, GPipe-like but with the backward of microbatch 1 first.
+    let csv = "# rank, actions\n0,0F0,0F1,0B1,0B0\n1,1F0,1F1,1B1,1B0\n";
+    let program = Program::from_csv(csv).unwrap();
+    check(&program);
+}
+
+#[test]
+fn an_invalid_schedule_is_refused_with_the_validator_message() {
+    // Stage 1 runs backward of microbatch 0 before its forward.
+    let program = Program::from_csv("0,0F0,0B0\n1,1B0,1F0\n").unwrap();
+    let errs = local::launch(2, |comm| {
+        let s = stage(comm.rank() as u32)?;
+        match Executor::new(
+            &program,
+            &*comm,
+            vec![(comm.rank() as u32, &s as &dyn Stage)],
+        ) {
+            Ok(_) => Ok(String::new()),
+            Err(e) => Ok::<_, candle_core::Error>(e.to_string()),
+        }
+    })
+    .unwrap();
+    for e in errs {
+        assert!(e.contains("invalid pipeline program"), "{e}");
+        assert!(e.contains("1B0"), "{e}");
+    }
+}
+
+#[test]
+fn one_f_one_b_peak_activations_are_measured_and_match_the_simulator() {
+    let (p, m) = (4, 8);
+    let program = generate(ScheduleKind::OneFOneB, p, m).unwrap();
+    let predicted = simulate(&program, &Costs::default())
+        .unwrap()
+        .peak_activations();
+    let outs = run(&program);
+    for (r, (_, _, peak)) in outs.iter().enumerate() {
+        assert_eq!(*peak as u32, predicted[r], "rank {r}");
+        assert_eq!(*peak, (p - r).min(m), "rank {r}");
+    }
+    // GPipe stashes every microbatch.
+    let outs = run(&generate(ScheduleKind::GPipe, p, m).unwrap());
+    assert!(outs.iter().all(|(_, _, peak)| *peak == m));
+}
