@@ -1,1 +1,88 @@
-//! switchyard-shard (under construction)
+//! # switchyard-shard: tensor parallelism for training on candle
+//!
+//! Megatron-style tensor parallelism (TP) **with a backward pass**. Candle ships
+//! tensor-parallel layers for inference only: its all-reduce has no gradient. Here every
+//! collective is an autograd op whose backward is the dual collective, so a tensor-parallel
+//! model trains, and its forward values and gradients equal the single-device model's
+//! (the tests check this to 1e-5 in f32 and 1e-10 in f64 at tp = 1, 2, 4).
+//!
+//! Vocabulary: an **axis** is an axis of the device mesh (tp, pp, dp); a **dim** is a
+//! tensor dimension. `p` is the size of the tensor-parallel group.
+//!
+//! ## The pieces
+//!
+//! * [`ShardSpec`]: how a full tensor is laid out over the group (`Replicated`, or
+//!   `Split { dim, blocks }` with fused sub-blocks such as GPT's q | k | v).
+//! * [`ParamStore`] / [`Builder`]: parameters are declared by their full shape and
+//!   spec; each rank creates only its shard. [`Init`] generates the *full* tensor from
+//!   `(seed, name)` and slices it, so for one seed the shards at any degree are slices of
+//!   the tp = 1 weights; [`ParamSource::Full`] slices tensors loaded from a checkpoint.
+//! * [`collectives`]: Megatron's paired operators **f** ([`copy_to_region`]: identity
+//!   forward, all-reduce backward) and **g** ([`reduce_from_region`]: all-reduce forward,
+//!   identity backward), gather/scatter, and the sequence-parallel pair.
+//! * Layers: [`ColumnParallelLinear`] (`Y = XA`, `A = [A_1 … A_p]`),
+//!   [`RowParallelLinear`] (`Y = Σ_i X_i A_i`), [`VocabParallelEmbedding`],
+//!   [`vocab_parallel_cross_entropy`], [`ParallelSelfAttention`] and [`ParallelMlp`].
+//!
+//! ## Design
+//!
+//! * **No global state.** The tensor-parallel communicator (`Arc<dyn Communicator>`,
+//!   size 1 = no parallelism, with zero communication) is passed to each layer when it is
+//!   built; a layer given a group other than its store's is an error naming the layer.
+//! * **Cost.** A transformer block (attention + MLP) costs exactly 2 all-reduces forward
+//!   (one `g` per row-parallel layer) and 2 backward (one `f` per column-parallel layer).
+//!   The vocab-parallel loss costs 2 forward (max, and the fused sum-exp/target) and 0
+//!   backward; the vocab-parallel embedding 1 forward and 0 backward.
+//! * **Replicated means identical.** Outside the parallel regions activations, LayerNorm
+//!   parameters and row-parallel biases are replicated and receive identical, complete
+//!   gradients on every rank: no extra gradient all-reduce over tp is needed.
+//! * Errors are [`candle_core::Error`]s wrapping a [`ShardError`] whose message names the
+//!   parameter or layer.
+//!
+//! ## Example
+//!
+//! Two ranks (threads) build an MLP under `transformer.h.0`, run forward and backward,
+//! and get the single-device gradient, split by rows:
+//!
+//! ```
+//! use candle_core::{DType, Device, Tensor, Var};
+//! use switchyard_comm::local;
+//! use switchyard_shard::{LayerInit, ParallelMlp, ParamSource, ParamStore};
+//!
+//! let grads = local::launch(2, |tp| -> candle_core::Result<Vec<usize>> {
+//!     let store = ParamStore::for_group(tp.as_ref(), DType::F32, ParamSource::Init { seed: 1 })?;
+//!     let vb = store.builder().pp("transformer.h.0");
+//!     let mlp = ParallelMlp::new(&vb, tp.clone(), 8, 32, LayerInit::default())?;
+//!     let x = Var::from_tensor(&Tensor::ones((2, 3, 8), DType::F32, &Device::Cpu)?)?;
+//!     let loss = mlp.forward(x.as_tensor())?.sqr()?.sum_all()?; // replicated on both ranks
+//!     let g = loss.backward()?;
+//!     let fc = store.get("transformer.h.0.mlp.c_fc.weight").unwrap();
+//!     Ok(g.get(fc.var.as_tensor()).unwrap().dims().to_vec())
+//! })
+//! .unwrap();
+//! assert_eq!(grads, vec![vec![16, 8]; 2]); // each rank: half of c_fc's 32 rows
+//! ```
+
+mod attention;
+pub mod collectives;
+mod embedding;
+mod error;
+mod linear;
+mod loss;
+mod mlp;
+mod param;
+mod rng;
+mod spec;
+
+pub use attention::{LayerInit, ParallelSelfAttention};
+pub use collectives::{
+    copy_to_region, gather_from_region, gather_seq, reduce_from_region, reduce_scatter_seq,
+    scatter_to_region,
+};
+pub use embedding::VocabParallelEmbedding;
+pub use error::ShardError;
+pub use linear::{ColumnConfig, ColumnParallelLinear, RowConfig, RowParallelLinear};
+pub use loss::vocab_parallel_cross_entropy;
+pub use mlp::ParallelMlp;
+pub use param::{Builder, Init, Param, ParamSource, ParamStore};
+pub use spec::ShardSpec;

@@ -1,0 +1,166 @@
+//! Tensor-parallel causal self-attention over whole heads.
+//!
+//! The fused projection `c_attn` (`d → 3d`, rows `q | k | v`) is column-parallel with
+//! `blocks = 3`: rank `i` computes `[q_i | k_i | v_i]`, the heads
+//! `[i·H/p, (i+1)·H/p)` of q, k and v. Attention runs on those local heads with no
+//! communication, and the output projection `c_proj` is row-parallel over the same head
+//! slice, so `Y = Σ_i Attn_i(X) · P_i + b` is formed by one all-reduce:
+//! **1 all-reduce forward (g in c_proj), 1 backward (f in c_attn)**.
+
+use std::sync::Arc;
+
+use candle_core::{Module, Result, Tensor};
+use switchyard_comm::Communicator;
+use switchyard_ops::causal_self_attention;
+
+use crate::error::ShardError;
+use crate::linear::{
+    check_group, ColumnConfig, ColumnParallelLinear, RowConfig, RowParallelLinear,
+};
+use crate::param::{Builder, Init};
+
+/// Initialisation of a transformer sub-layer's parameters.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LayerInit {
+    /// The input projections (`c_attn`, `c_fc`). Default `Normal { std: 0.02 }`.
+    pub weight: Init,
+    /// The output projections (`c_proj`); GPT-2 uses `0.02 / √(2·n_layer)`.
+    /// Default `Normal { std: 0.02 }`.
+    pub proj_weight: Init,
+    /// Every bias. Default `Zeros`.
+    pub bias: Init,
+}
+
+impl Default for LayerInit {
+    fn default() -> Self {
+        LayerInit {
+            weight: Init::Normal { std: 0.02 },
+            proj_weight: Init::Normal { std: 0.02 },
+            bias: Init::Zeros,
+        }
+    }
+}
+
+/// Causal self-attention with heads split over the tensor-parallel group.
+///
+/// Given the *block's* builder (e.g. prefix `transformer.h.0`), it creates
+/// `attn.c_attn.weight` `[3d, d]` (`Split { dim: 0, blocks: 3 }`), `attn.c_attn.bias`
+/// `[3d]` (same), `attn.c_proj.weight` `[d, d]` (`Split { dim: 1 }`) and
+/// `attn.c_proj.bias` `[d]` (replicated).
+pub struct ParallelSelfAttention {
+    c_attn: ColumnParallelLinear,
+    c_proj: RowParallelLinear,
+    n_head: usize,
+    local_heads: usize,
+    head_dim: usize,
+}
+
+impl ParallelSelfAttention {
+    /// `n_head` must divide `d_model` and be divisible by the group size.
+    pub fn new(
+        vb: &Builder,
+        comm: Arc<dyn Communicator>,
+        d_model: usize,
+        n_head: usize,
+        init: LayerInit,
+    ) -> Result<Self> {
+        let vb = vb.pp("attn");
+        let name = vb.prefix().to_string();
+        check_group(&name, &vb, comm.as_ref())?;
+        let n = comm.world_size();
+        if n_head == 0 || d_model % n_head != 0 {
+            return Err(ShardError::NotDivisible {
+                layer: name,
+                what: "d_model",
+                count: d_model,
+                by: n_head,
+                why: "the number of heads".into(),
+            }
+            .into());
+        }
+        if n_head % n != 0 {
+            return Err(ShardError::NotDivisible {
+                layer: name,
+                what: "the number of heads",
+                count: n_head,
+                by: n,
+                why: "the tensor-parallel group size; each rank needs whole heads".into(),
+            }
+            .into());
+        }
+        let c_attn = ColumnParallelLinear::new(
+            &vb.pp("c_attn"),
+            comm.clone(),
+            d_model,
+            3 * d_model,
+            ColumnConfig {
+                bias: true,
+                gather_output: false,
+                blocks: 3,
+                weight_init: init.weight,
+                bias_init: init.bias,
+            },
+        )?;
+        let c_proj = RowParallelLinear::new(
+            &vb.pp("c_proj"),
+            comm,
+            d_model,
+            d_model,
+            RowConfig {
+                bias: true,
+                input_is_parallel: true,
+                weight_init: init.proj_weight,
+                bias_init: init.bias,
+            },
+        )?;
+        Ok(ParallelSelfAttention {
+            c_attn,
+            c_proj,
+            n_head,
+            local_heads: n_head / n,
+            head_dim: d_model / n_head,
+        })
+    }
+
+    /// `x` `[B, T, d]` (replicated) to `[B, T, d]` (replicated).
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let (b, t, _) = x.dims3()?;
+        let (hl, hd) = (self.local_heads, self.head_dim);
+        let dl = hl * hd;
+        let qkv = self.c_attn.forward(x)?; // [B, T, 3·d/p] = [q_i | k_i | v_i]
+        let heads = |k: usize| -> Result<Tensor> {
+            qkv.narrow(2, k * dl, dl)?
+                .reshape((b, t, hl, hd))?
+                .transpose(1, 2)
+        };
+        let y = causal_self_attention(&heads(0)?, &heads(1)?, &heads(2)?)?; // [B, hl, T, hd]
+        let y = y.transpose(1, 2)?.reshape((b, t, dl))?;
+        self.c_proj.forward(&y)
+    }
+
+    /// The fused qkv projection.
+    pub fn c_attn(&self) -> &ColumnParallelLinear {
+        &self.c_attn
+    }
+
+    /// The output projection.
+    pub fn c_proj(&self) -> &RowParallelLinear {
+        &self.c_proj
+    }
+
+    /// All heads (all ranks together).
+    pub fn n_head(&self) -> usize {
+        self.n_head
+    }
+
+    /// The heads this rank computes.
+    pub fn local_heads(&self) -> usize {
+        self.local_heads
+    }
+}
+
+impl Module for ParallelSelfAttention {
+    fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+        ParallelSelfAttention::forward(self, xs)
+    }
+}

@@ -1,0 +1,104 @@
+//! The tensor-parallel MLP of a transformer block.
+//!
+//! `Y = GeLU(X·A) · B` with `A = [A_1 … A_p]` column-parallel and `B = [B_1; …; B_p]`
+//! row-parallel: GeLU is element-wise, so rank `i` computes `GeLU(X·A_i)·B_i` with no
+//! communication in between (the reason for Megatron's column-then-row pairing), and `g`
+//! sums the partial products: **1 all-reduce forward, 1 backward**.
+
+use std::sync::Arc;
+
+use candle_core::{Module, Result, Tensor};
+use switchyard_comm::Communicator;
+use switchyard_ops::gelu;
+
+use crate::attention::LayerInit;
+use crate::error::ShardError;
+use crate::linear::{
+    check_group, ColumnConfig, ColumnParallelLinear, RowConfig, RowParallelLinear,
+};
+use crate::param::Builder;
+
+/// `c_fc` (column, `d → hidden`, bias), GELU (tanh approximation), `c_proj` (row,
+/// `hidden → d`, bias).
+///
+/// Given the *block's* builder (e.g. prefix `transformer.h.0`), it creates
+/// `mlp.c_fc.weight` `[hidden, d]` (`Split { dim: 0 }`), `mlp.c_fc.bias` `[hidden]`
+/// (same), `mlp.c_proj.weight` `[d, hidden]` (`Split { dim: 1 }`) and `mlp.c_proj.bias`
+/// `[d]` (replicated). GPT uses `hidden = 4·d`.
+pub struct ParallelMlp {
+    c_fc: ColumnParallelLinear,
+    c_proj: RowParallelLinear,
+}
+
+impl ParallelMlp {
+    /// `hidden` must be divisible by the group size.
+    pub fn new(
+        vb: &Builder,
+        comm: Arc<dyn Communicator>,
+        d_model: usize,
+        hidden: usize,
+        init: LayerInit,
+    ) -> Result<Self> {
+        let vb = vb.pp("mlp");
+        let name = vb.prefix().to_string();
+        check_group(&name, &vb, comm.as_ref())?;
+        let n = comm.world_size();
+        if hidden % n != 0 {
+            return Err(ShardError::NotDivisible {
+                layer: name,
+                what: "the hidden size",
+                count: hidden,
+                by: n,
+                why: "the tensor-parallel group size".into(),
+            }
+            .into());
+        }
+        let c_fc = ColumnParallelLinear::new(
+            &vb.pp("c_fc"),
+            comm.clone(),
+            d_model,
+            hidden,
+            ColumnConfig {
+                bias: true,
+                gather_output: false,
+                blocks: 1,
+                weight_init: init.weight,
+                bias_init: init.bias,
+            },
+        )?;
+        let c_proj = RowParallelLinear::new(
+            &vb.pp("c_proj"),
+            comm,
+            hidden,
+            d_model,
+            RowConfig {
+                bias: true,
+                input_is_parallel: true,
+                weight_init: init.proj_weight,
+                bias_init: init.bias,
+            },
+        )?;
+        Ok(ParallelMlp { c_fc, c_proj })
+    }
+
+    /// `x` `[.., d]` (replicated) to `[.., d]` (replicated).
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.c_proj.forward(&gelu(&self.c_fc.forward(x)?)?)
+    }
+
+    /// The input projection.
+    pub fn c_fc(&self) -> &ColumnParallelLinear {
+        &self.c_fc
+    }
+
+    /// The output projection.
+    pub fn c_proj(&self) -> &RowParallelLinear {
+        &self.c_proj
+    }
+}
+
+impl Module for ParallelMlp {
+    fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+        ParallelMlp::forward(self, xs)
+    }
+}

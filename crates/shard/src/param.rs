@@ -1,0 +1,368 @@
+//! Parameters, their degree-independent initialisation, and the per-rank registry.
+//!
+//! A parameter is declared by its **full** shape and a [`ShardSpec`]; the store creates
+//! only this rank's shard. With [`ParamSource::Init`] the full tensor is generated from
+//! `(seed, name)` and then sliced, so for one seed the shards at any tensor-parallel
+//! degree are exactly slices of the single-device weights. With [`ParamSource::Full`]
+//! the full tensors come from the caller (a checkpoint) and are sliced the same way.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use candle_core::{DType, Device, Result, Tensor, Var};
+use switchyard_comm::Communicator;
+
+use crate::error::{invalid, ShardError};
+use crate::rng::SplitMix64;
+use crate::spec::ShardSpec;
+
+/// How a parameter's full tensor is initialised when the store generates it.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+pub enum Init {
+    /// Independent normal samples with mean 0 and standard deviation `std`.
+    Normal { std: f64 },
+    /// All zeros.
+    Zeros,
+    /// All ones.
+    Ones,
+}
+
+impl Init {
+    /// The full (unsharded) tensor for parameter `name` under `seed`, generated in f64
+    /// and converted to `dtype`. The values depend only on `(seed, name, shape)`: this is
+    /// what a single device would hold.
+    pub fn full_tensor(
+        &self,
+        seed: u64,
+        name: &str,
+        shape: &[usize],
+        dtype: DType,
+    ) -> Result<Tensor> {
+        let dev = Device::Cpu;
+        match *self {
+            Init::Zeros => Tensor::zeros(shape, dtype, &dev),
+            Init::Ones => Tensor::ones(shape, dtype, &dev),
+            Init::Normal { std } => {
+                let n = shape.iter().product();
+                let v: Vec<f64> = SplitMix64::for_param(seed, name)
+                    .normals(n)
+                    .into_iter()
+                    .map(|z| z * std)
+                    .collect();
+                Tensor::from_vec(v, shape, &dev)?.to_dtype(dtype)
+            }
+        }
+    }
+}
+
+/// Where a [`ParamStore`] takes the values of the parameters it creates.
+#[derive(Debug, Clone)]
+pub enum ParamSource {
+    /// Generate each full tensor from `(seed, name)` with the parameter's [`Init`].
+    Init { seed: u64 },
+    /// Full, unsharded tensors by parameter name (for example a checkpoint); the store
+    /// slices out this rank's shard and converts it to the store's dtype.
+    Full(HashMap<String, Tensor>),
+}
+
+/// One parameter held by this rank.
+#[derive(Debug, Clone)]
+pub struct Param {
+    /// The full name, e.g. `transformer.h.0.attn.c_attn.weight`.
+    pub name: String,
+    /// This rank's shard; its shape is `spec.local_shape(full_shape, tp)`.
+    pub var: Var,
+    /// How the full tensor is divided over the tensor-parallel group.
+    pub spec: ShardSpec,
+    /// The shape of the full (unsharded) tensor.
+    pub full_shape: Vec<usize>,
+}
+
+struct StoreInner {
+    dtype: DType,
+    tp_rank: usize,
+    tp_size: usize,
+    source: ParamSource,
+    params: Mutex<Vec<Param>>,
+    used: Mutex<HashSet<String>>,
+}
+
+/// The registry of the parameters created on this rank, in creation order.
+///
+/// Cheap to clone (an `Arc`), `Send + Sync`. Create parameters through
+/// [`ParamStore::builder`]; hand [`ParamStore::params`] (or [`ParamStore::vars`]) to
+/// the optimizer and the checkpoint writer.
+#[derive(Clone)]
+pub struct ParamStore(Arc<StoreInner>);
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl ParamStore {
+    /// A store for rank `tp_rank` of a tensor-parallel group of `tp_size` ranks
+    /// (`tp_size = 1`: no tensor parallelism), creating parameters in `dtype` on the CPU.
+    pub fn new(dtype: DType, tp_rank: usize, tp_size: usize, source: ParamSource) -> Result<Self> {
+        if tp_size == 0 || tp_rank >= tp_size {
+            return Err(invalid(format!(
+                "ParamStore: tensor-parallel rank {tp_rank} out of range for a group of {tp_size}"
+            )));
+        }
+        if !dtype.is_float() {
+            return Err(invalid(format!(
+                "ParamStore: parameters must be floating point, got {dtype:?}"
+            )));
+        }
+        Ok(ParamStore(Arc::new(StoreInner {
+            dtype,
+            tp_rank,
+            tp_size,
+            source,
+            params: Mutex::new(Vec::new()),
+            used: Mutex::new(HashSet::new()),
+        })))
+    }
+
+    /// [`ParamStore::new`] with the rank and size of the tensor-parallel group `tp`.
+    pub fn for_group(tp: &dyn Communicator, dtype: DType, source: ParamSource) -> Result<Self> {
+        ParamStore::new(dtype, tp.rank(), tp.world_size(), source)
+    }
+
+    /// A builder with an empty path prefix.
+    pub fn builder(&self) -> Builder {
+        Builder {
+            store: self.clone(),
+            prefix: String::new(),
+        }
+    }
+
+    /// Every parameter created so far, in creation order.
+    pub fn params(&self) -> Vec<Param> {
+        lock(&self.0.params).clone()
+    }
+
+    /// The variables of [`ParamStore::params`], in creation order.
+    pub fn vars(&self) -> Vec<Var> {
+        lock(&self.0.params).iter().map(|p| p.var.clone()).collect()
+    }
+
+    /// The parameter called `name`, if it was created.
+    pub fn get(&self, name: &str) -> Option<Param> {
+        lock(&self.0.params)
+            .iter()
+            .find(|p| p.name == name)
+            .cloned()
+    }
+
+    /// The number of parameters created so far.
+    pub fn len(&self) -> usize {
+        lock(&self.0.params).len()
+    }
+
+    /// Whether no parameter was created yet.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The dtype of every parameter.
+    pub fn dtype(&self) -> DType {
+        self.0.dtype
+    }
+
+    /// This rank's index in the tensor-parallel group.
+    pub fn tp_rank(&self) -> usize {
+        self.0.tp_rank
+    }
+
+    /// The size of the tensor-parallel group.
+    pub fn tp_size(&self) -> usize {
+        self.0.tp_size
+    }
+
+    /// With [`ParamSource::Full`]: the supplied names no parameter has used (sorted), to
+    /// report unexpected checkpoint entries. Empty for [`ParamSource::Init`].
+    pub fn unused_sources(&self) -> Vec<String> {
+        let ParamSource::Full(map) = &self.0.source else {
+            return Vec::new();
+        };
+        let used = lock(&self.0.used);
+        let mut v: Vec<String> = map.keys().filter(|k| !used.contains(*k)).cloned().collect();
+        v.sort();
+        v
+    }
+
+    /// The full (unsharded) value of every parameter, in creation order, gathered over
+    /// the tensor-parallel group `tp` (one all-gather per split parameter, none for
+    /// replicated ones; every rank of `tp` must call it). Use it to write a checkpoint
+    /// that loads at any degree through [`ParamSource::Full`].
+    pub fn gather_full(&self, tp: &dyn Communicator) -> Result<Vec<(String, Tensor)>> {
+        if tp.world_size() != self.tp_size() || tp.rank() != self.tp_rank() {
+            return Err(invalid(format!(
+                "ParamStore::gather_full: the store is rank {} of {} but the group {} has this as rank {} of {}",
+                self.tp_rank(),
+                self.tp_size(),
+                switchyard_comm::describe(tp),
+                tp.rank(),
+                tp.world_size()
+            )));
+        }
+        let n = self.tp_size();
+        let mut out = Vec::new();
+        for p in self.params() {
+            let local = p.var.as_detached_tensor();
+            let full = match p.spec {
+                ShardSpec::Split { dim, .. } if n > 1 => {
+                    let all = tp.all_gather(&local, dim)?;
+                    let parts = all.chunk(n, dim)?;
+                    p.spec.merge(&parts)?
+                }
+                _ => local.copy()?,
+            };
+            out.push((p.name, full));
+        }
+        Ok(out)
+    }
+
+    fn create(
+        &self,
+        name: String,
+        full_shape: &[usize],
+        spec: ShardSpec,
+        init: Init,
+    ) -> Result<Var> {
+        let inner = &self.0;
+        if lock(&inner.params).iter().any(|p| p.name == name) {
+            return Err(ShardError::Param {
+                name,
+                reason: "created twice (use the existing Var, e.g. for tied weights)".into(),
+            }
+            .into());
+        }
+        let (rank, n) = (inner.tp_rank, inner.tp_size);
+        let local_shape = spec.local_shape_of(&name, full_shape, n)?;
+        let local = match &inner.source {
+            ParamSource::Init { .. } if matches!(init, Init::Zeros) => {
+                Tensor::zeros(local_shape, inner.dtype, &Device::Cpu)?
+            }
+            ParamSource::Init { .. } if matches!(init, Init::Ones) => {
+                Tensor::ones(local_shape, inner.dtype, &Device::Cpu)?
+            }
+            ParamSource::Init { seed } => {
+                let full = init.full_tensor(*seed, &name, full_shape, DType::F64)?;
+                spec.shard_of(&name, &full, rank, n)?
+                    .to_dtype(inner.dtype)?
+            }
+            ParamSource::Full(map) => {
+                let Some(full) = map.get(&name) else {
+                    return Err(ShardError::Param {
+                        name,
+                        reason: format!("not found among the {} supplied full tensors", map.len()),
+                    }
+                    .into());
+                };
+                if full.dims() != full_shape {
+                    return Err(ShardError::Param {
+                        name,
+                        reason: format!(
+                            "the supplied full tensor has shape {:?} but the model expects {full_shape:?}",
+                            full.dims()
+                        ),
+                    }
+                    .into());
+                }
+                lock(&inner.used).insert(name.clone());
+                spec.shard_of(&name, full, rank, n)?.to_dtype(inner.dtype)?
+            }
+        };
+        // `detach` + `Var::from_tensor` always copies into fresh storage, so the Var never
+        // aliases the caller's (or another rank's) tensor.
+        let var = Var::from_tensor(&local.detach())?;
+        lock(&inner.params).push(Param {
+            name,
+            var: var.clone(),
+            spec,
+            full_shape: full_shape.to_vec(),
+        });
+        Ok(var)
+    }
+}
+
+/// Creates parameters under a dotted path prefix, like candle's `VarBuilder`.
+///
+/// ```
+/// use candle_core::DType;
+/// use switchyard_shard::{Init, ParamSource, ParamStore, ShardSpec};
+///
+/// # fn main() -> candle_core::Result<()> {
+/// // rank 1 of a tensor-parallel group of 2
+/// let store = ParamStore::new(DType::F32, 1, 2, ParamSource::Init { seed: 0 })?;
+/// let vb = store.builder().pp("transformer.h.0").pp("mlp.c_fc");
+/// let w = vb.param("weight", &[64, 16], ShardSpec::split(0), Init::Normal { std: 0.02 })?;
+/// assert_eq!(w.dims(), &[32, 16]); // this rank's half of the rows
+/// assert_eq!(store.params()[0].name, "transformer.h.0.mlp.c_fc.weight");
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Clone)]
+pub struct Builder {
+    store: ParamStore,
+    prefix: String,
+}
+
+impl Builder {
+    /// A builder whose paths are prefixed by `s` (joined with a dot).
+    pub fn pp(&self, s: impl AsRef<str>) -> Builder {
+        Builder {
+            store: self.store.clone(),
+            prefix: self.path(s.as_ref()),
+        }
+    }
+
+    /// The current prefix (`""` at the root).
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    /// The full name of `name` under the current prefix.
+    pub fn path(&self, name: &str) -> String {
+        if self.prefix.is_empty() {
+            name.to_string()
+        } else {
+            format!("{}.{name}", self.prefix)
+        }
+    }
+
+    /// Creates the parameter `<prefix>.<name>` of full shape `full_shape`, laid out by
+    /// `spec`, and returns this rank's shard as a `Var`. A duplicate name, a shape that
+    /// does not split, a name missing from a [`ParamSource::Full`] map or a full tensor of
+    /// the wrong shape is an error naming the parameter.
+    pub fn param(
+        &self,
+        name: &str,
+        full_shape: &[usize],
+        spec: ShardSpec,
+        init: Init,
+    ) -> Result<Var> {
+        self.store.create(self.path(name), full_shape, spec, init)
+    }
+
+    /// The store this builder adds to.
+    pub fn store(&self) -> &ParamStore {
+        &self.store
+    }
+
+    /// This rank's index in the tensor-parallel group.
+    pub fn tp_rank(&self) -> usize {
+        self.store.tp_rank()
+    }
+
+    /// The size of the tensor-parallel group.
+    pub fn tp_size(&self) -> usize {
+        self.store.tp_size()
+    }
+
+    /// The dtype of the parameters.
+    pub fn dtype(&self) -> DType {
+        self.store.dtype()
+    }
+}

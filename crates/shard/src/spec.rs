@@ -1,0 +1,166 @@
+//! How one parameter is laid out over the ranks of a tensor-parallel group.
+
+use candle_core::{Result, Tensor};
+use serde::{Deserialize, Serialize};
+
+use crate::error::{invalid, ShardError};
+
+/// How a full (unsharded) tensor is divided over the `n` ranks of a tensor-parallel
+/// group. Checkpoints store it next to each parameter, so a checkpoint written at one
+/// tensor-parallel degree can be loaded at another.
+///
+/// * `Replicated`: every rank holds the whole tensor.
+/// * `Split { dim, blocks }`: `dim` is made of `blocks` equal sub-blocks laid end to end,
+///   and each sub-block is split in `n` equal contiguous pieces. Rank `r` holds piece `r`
+///   of every sub-block, concatenated in block order. With `blocks = 1` this is a plain
+///   split: rank `r` holds `full[r·s/n .. (r+1)·s/n]` along `dim`.
+///
+/// `blocks > 1` describes fused parameters. GPT's `c_attn.weight` has rows `q | k | v`
+/// (`blocks = 3`, each `d` rows, heads contiguous): rank `r` gets `[q_r | k_r | v_r]`,
+/// that is whole heads of q, k and v.
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// use switchyard_shard::ShardSpec;
+///
+/// # fn main() -> candle_core::Result<()> {
+/// // rows: q0 q1 | k0 k1 | v0 v1, two ranks
+/// let full = Tensor::arange(0f32, 6., &Device::Cpu)?.reshape((6, 1))?;
+/// let spec = ShardSpec::fused(0, 3);
+/// let r1 = spec.shard(&full, 1, 2)?;
+/// assert_eq!(r1.flatten_all()?.to_vec1::<f32>()?, [1., 3., 5.]); // q1 k1 v1
+/// let parts = [spec.shard(&full, 0, 2)?, r1];
+/// assert_eq!(spec.merge(&parts)?.flatten_all()?.to_vec1::<f32>()?, [0., 1., 2., 3., 4., 5.]);
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum ShardSpec {
+    /// Every rank holds the full tensor.
+    Replicated,
+    /// Split along `dim`, made of `blocks` equal sub-blocks each split `n` ways.
+    Split { dim: usize, blocks: usize },
+}
+
+impl ShardSpec {
+    /// A plain split along `dim` (`blocks = 1`).
+    pub fn split(dim: usize) -> ShardSpec {
+        ShardSpec::Split { dim, blocks: 1 }
+    }
+
+    /// A fused split: `dim` holds `blocks` equal sub-blocks, each split over the ranks.
+    pub fn fused(dim: usize, blocks: usize) -> ShardSpec {
+        ShardSpec::Split { dim, blocks }
+    }
+
+    /// The shape one rank holds when the full shape is `full` and the group has `n` ranks.
+    pub fn local_shape(&self, full: &[usize], n: usize) -> Result<Vec<usize>> {
+        self.local_shape_of(&format!("a tensor of shape {full:?}"), full, n)
+    }
+
+    /// [`ShardSpec::local_shape`], naming the tensor `what` in the error.
+    pub fn local_shape_of(&self, what: &str, full: &[usize], n: usize) -> Result<Vec<usize>> {
+        if n == 0 {
+            return Err(invalid(format!("{what}: a group of 0 ranks")));
+        }
+        match *self {
+            ShardSpec::Replicated => Ok(full.to_vec()),
+            ShardSpec::Split { dim, blocks } => {
+                if dim >= full.len() {
+                    return Err(invalid(format!(
+                        "{what}: split dim {dim} out of range for rank {}",
+                        full.len()
+                    )));
+                }
+                if blocks == 0 {
+                    return Err(invalid(format!("{what}: a split into 0 blocks")));
+                }
+                if full[dim] % (blocks * n) != 0 {
+                    return Err(ShardError::Indivisible {
+                        what: what.to_string(),
+                        dim,
+                        size: full[dim],
+                        blocks,
+                        ranks: n,
+                    }
+                    .into());
+                }
+                let mut local = full.to_vec();
+                local[dim] = full[dim] / n;
+                Ok(local)
+            }
+        }
+    }
+
+    /// The piece of `full` that rank `rank` of `n` holds. Not differentiable-specific:
+    /// built from `narrow` and `cat`, so gradients flow back into `full` if it tracks them.
+    pub fn shard(&self, full: &Tensor, rank: usize, n: usize) -> Result<Tensor> {
+        self.shard_of(
+            &format!("a tensor of shape {:?}", full.dims()),
+            full,
+            rank,
+            n,
+        )
+    }
+
+    /// [`ShardSpec::shard`], naming the tensor `what` in errors.
+    pub fn shard_of(&self, what: &str, full: &Tensor, rank: usize, n: usize) -> Result<Tensor> {
+        self.local_shape_of(what, full.dims(), n)?;
+        if rank >= n {
+            return Err(invalid(format!(
+                "{what}: rank {rank} out of range for {n} ranks"
+            )));
+        }
+        match *self {
+            ShardSpec::Replicated => Ok(full.clone()),
+            ShardSpec::Split { dim, blocks } => {
+                let block = full.dim(dim)? / blocks;
+                let piece = block / n;
+                if blocks == 1 {
+                    return full.narrow(dim, rank * piece, piece);
+                }
+                let pieces = (0..blocks)
+                    .map(|b| full.narrow(dim, b * block + rank * piece, piece))
+                    .collect::<Result<Vec<_>>>()?;
+                Tensor::cat(&pieces, dim)
+            }
+        }
+    }
+
+    /// The full tensor from every rank's piece, in rank order (the inverse of
+    /// [`ShardSpec::shard`]). For `Replicated` this returns `parts[0]`.
+    pub fn merge(&self, parts: &[Tensor]) -> Result<Tensor> {
+        let Some(first) = parts.first() else {
+            return Err(invalid("ShardSpec::merge: no parts"));
+        };
+        if let Some(p) = parts.iter().find(|p| p.dims() != first.dims()) {
+            return Err(invalid(format!(
+                "ShardSpec::merge: parts have different shapes {:?} and {:?}",
+                first.dims(),
+                p.dims()
+            )));
+        }
+        match *self {
+            ShardSpec::Replicated => Ok(first.clone()),
+            ShardSpec::Split { dim, blocks } => {
+                if dim >= first.rank() || blocks == 0 || first.dim(dim)? % blocks != 0 {
+                    return Err(invalid(format!(
+                        "ShardSpec::merge: parts of shape {:?} are not {self:?} pieces",
+                        first.dims()
+                    )));
+                }
+                if blocks == 1 {
+                    return Tensor::cat(parts, dim);
+                }
+                let piece = first.dim(dim)? / blocks;
+                let mut pieces = Vec::with_capacity(blocks * parts.len());
+                for b in 0..blocks {
+                    for p in parts {
+                        pieces.push(p.narrow(dim, b * piece, piece)?);
+                    }
+                }
+                Tensor::cat(&pieces, dim)
+            }
+        }
+    }
+}

@@ -1,0 +1,287 @@
+//! A full pre-LN transformer block, and a one-block GPT with a tied, vocab-parallel LM
+//! head and loss: parity with the single-device model at tp = 1, 2, 4, the exact
+//! collective count, and a non-zero gradient for every parameter.
+
+mod common;
+
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Result, Tensor, Var};
+use common::*;
+use switchyard_comm::{Communicator, Counting};
+use switchyard_ops::layer_norm;
+use switchyard_shard::{
+    vocab_parallel_cross_entropy, Builder, Init, LayerInit, ParallelMlp, ParallelSelfAttention,
+    ShardSpec, VocabParallelEmbedding,
+};
+
+const D: usize = 32;
+const HEADS: usize = 4;
+const B: usize = 2;
+const T: usize = 8;
+const VOCAB: usize = 32;
+const LN_W: Init = Init::Normal { std: 1.0 };
+const LN_B: Init = Init::Normal { std: 0.1 };
+
+fn init() -> LayerInit {
+    LayerInit {
+        weight: Init::Normal { std: 0.3 },
+        proj_weight: Init::Normal { std: 0.2 },
+        bias: Init::Normal { std: 0.1 },
+    }
+}
+
+struct Block {
+    ln_1: (Var, Var),
+    attn: ParallelSelfAttention,
+    ln_2: (Var, Var),
+    mlp: ParallelMlp,
+}
+
+fn ln_params(vb: &Builder) -> Result<(Var, Var)> {
+    Ok((
+        vb.param("weight", &[D], ShardSpec::Replicated, LN_W)?,
+        vb.param("bias", &[D], ShardSpec::Replicated, LN_B)?,
+    ))
+}
+
+impl Block {
+    fn new(vb: &Builder, comm: &Arc<dyn Communicator>) -> Result<Self> {
+        Ok(Block {
+            ln_1: ln_params(&vb.pp("ln_1"))?,
+            attn: ParallelSelfAttention::new(vb, comm.clone(), D, HEADS, init())?,
+            ln_2: ln_params(&vb.pp("ln_2"))?,
+            mlp: ParallelMlp::new(vb, comm.clone(), D, 4 * D, init())?,
+        })
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let ln = |x: &Tensor, p: &(Var, Var)| layer_norm(x, p.0.as_tensor(), p.1.as_tensor(), 1e-5);
+        let h = (x + self.attn.forward(&ln(x, &self.ln_1)?)?)?;
+        &h + self.mlp.forward(&ln(&h, &self.ln_2)?)?
+    }
+}
+
+/// The same block on full weights, in plain candle ops.
+fn ref_block(p: &mut RefParams, prefix: &str, x: &Tensor) -> Tensor {
+    let mut w = |n: &str, shape: &[usize], init: Init| p.p(&format!("{prefix}.{n}"), shape, init);
+    let (l1w, l1b) = (w("ln_1.weight", &[D], LN_W), w("ln_1.bias", &[D], LN_B));
+    let i = init();
+    let wa = w("attn.c_attn.weight", &[3 * D, D], i.weight);
+    let ba = w("attn.c_attn.bias", &[3 * D], i.bias);
+    let wp = w("attn.c_proj.weight", &[D, D], i.proj_weight);
+    let bp = w("attn.c_proj.bias", &[D], i.bias);
+    let (l2w, l2b) = (w("ln_2.weight", &[D], LN_W), w("ln_2.bias", &[D], LN_B));
+    let w1 = w("mlp.c_fc.weight", &[4 * D, D], i.weight);
+    let b1 = w("mlp.c_fc.bias", &[4 * D], i.bias);
+    let w2 = w("mlp.c_proj.weight", &[D, 4 * D], i.proj_weight);
+    let b2 = w("mlp.c_proj.bias", &[D], i.bias);
+    let a = ref_attention(&ref_layer_norm(x, &l1w, &l1b), &wa, &ba, &wp, &bp, HEADS);
+    let h = (x + a).unwrap();
+    let m = ref_linear(
+        &ref_gelu(&ref_linear(&ref_layer_norm(&h, &l2w, &l2b), &w1, Some(&b1))),
+        &w2,
+        Some(&b2),
+    );
+    (h + m).unwrap()
+}
+
+#[test]
+fn transformer_block_matches_single_device() {
+    for dtype in DTYPES {
+        let x_full = rand_tensor(1, &[B, T, D], 1.0, dtype);
+        let r = rand_tensor(2, &[B, T, D], 1.0, dtype);
+        let mut p = RefParams::new(dtype);
+        let x = var(&x_full);
+        let y = ref_block(&mut p, "transformer.h.0", x.as_tensor());
+        let reference = reference(&p, y, Some(&x), &r);
+        for tp in TPS {
+            let ranks = run_parallel(tp, dtype, ShardSpec::Replicated, &r, |comm, store| {
+                let block = Block::new(&store.builder().pp("transformer.h.0"), comm)?;
+                let x = var(&x_full);
+                Ok((block.forward(x.as_tensor())?, Some(x)))
+            });
+            check_parity(
+                "block",
+                dtype,
+                &ranks,
+                ShardSpec::Replicated,
+                &reference,
+                ShardSpec::Replicated,
+            );
+        }
+    }
+}
+
+#[test]
+fn a_block_costs_two_all_reduces_forward_and_two_backward() {
+    for tp in TPS {
+        let x_full = rand_tensor(3, &[B, T, D], 1.0, DType::F32);
+        let counts = run_tp(tp, |comm| {
+            let (comm, counts) = Counting::wrap(comm);
+            let store = store(&comm, DType::F32);
+            let block = Block::new(&store.builder().pp("transformer.h.0"), &comm)?;
+            counts.reset();
+            let y = block.forward(&x_full)?; // the input needs no gradient: the LN params do
+            let fwd = counts.snapshot();
+            counts.reset();
+            let loss = y.sqr()?.sum_all()?;
+            loss.backward()?;
+            Ok((fwd, counts.snapshot()))
+        });
+        for (rank, (fwd, bwd)) in counts.iter().enumerate() {
+            let want: Vec<(&str, usize)> = if tp == 1 {
+                vec![]
+            } else {
+                vec![("all_reduce", 2)]
+            };
+            assert_eq!(
+                fwd.clone().into_iter().collect::<Vec<_>>(),
+                want,
+                "forward tp={tp} rank={rank}"
+            );
+            assert_eq!(
+                bwd.clone().into_iter().collect::<Vec<_>>(),
+                want,
+                "backward tp={tp} rank={rank}"
+            );
+        }
+    }
+}
+
+#[test]
+fn every_parameter_of_a_block_gets_a_nonzero_gradient() {
+    let x_full = rand_tensor(4, &[B, T, D], 1.0, DType::F32);
+    let r = rand_tensor(5, &[B, T, D], 1.0, DType::F32);
+    let ranks = run_parallel(2, DType::F32, ShardSpec::Replicated, &r, |comm, store| {
+        let block = Block::new(&store.builder().pp("transformer.h.0"), comm)?;
+        let x = var(&x_full);
+        Ok((block.forward(x.as_tensor())?, Some(x)))
+    });
+    for (rank, out) in ranks.iter().enumerate() {
+        assert_eq!(out.grads.len(), 12, "a block has 12 parameters");
+        for (name, (_, g)) in &out.grads {
+            let m = g
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap();
+            assert!(m > 0.0, "rank {rank}: zero gradient for {name}");
+        }
+        let dx = out.dx.as_ref().unwrap().abs().unwrap().max_all().unwrap();
+        assert!(
+            dx.to_scalar::<f32>().unwrap() > 0.0,
+            "rank {rank}: zero input gradient"
+        );
+    }
+}
+
+/// A one-block GPT: token (vocab-parallel) + position (replicated) embeddings, a block,
+/// the final LayerNorm, an LM head tied to the token embedding, and the vocab-parallel
+/// loss. Returns the loss.
+fn tiny_gpt(
+    comm: &Arc<dyn Communicator>,
+    vb: &Builder,
+    ids: &Tensor,
+    targets: &Tensor,
+) -> Result<Tensor> {
+    let wte = VocabParallelEmbedding::new(
+        &vb.pp("transformer.wte"),
+        comm.clone(),
+        VOCAB,
+        D,
+        Init::Normal { std: 0.5 },
+    )?;
+    let wpe = vb.param(
+        "transformer.wpe.weight",
+        &[T, D],
+        ShardSpec::Replicated,
+        Init::Normal { std: 0.5 },
+    )?;
+    let block = Block::new(&vb.pp("transformer.h.0"), comm)?;
+    let ln_f = ln_params(&vb.pp("transformer.ln_f"))?;
+    let head = wte.tied_lm_head()?;
+    let x = wte.forward(ids)?.broadcast_add(wpe.as_tensor())?;
+    let h = block.forward(&x)?;
+    let h = layer_norm(&h, ln_f.0.as_tensor(), ln_f.1.as_tensor(), 1e-5)?;
+    let logits = head.forward(&h)?; // [B, T, V/p]
+    let n = logits.dim(2)?;
+    vocab_parallel_cross_entropy(&logits.reshape((B * T, n))?, targets, comm)
+}
+
+#[test]
+fn tiny_gpt_with_tied_head_matches_single_device() {
+    let dev = Device::Cpu;
+    let ids: Vec<u32> = (0..(B * T) as u32)
+        .map(|i| (i * 7 + 3) % VOCAB as u32)
+        .collect();
+    let tg: Vec<u32> = (0..(B * T) as u32)
+        .map(|i| (i * 5 + 1) % VOCAB as u32)
+        .collect();
+    let ids = Tensor::from_vec(ids, (B, T), &dev).unwrap();
+    let targets = Tensor::from_vec(tg, B * T, &dev).unwrap();
+    for dtype in DTYPES {
+        // Reference: plain candle, full weights, candle-nn's cross-entropy.
+        let mut p = RefParams::new(dtype);
+        let wte = p.p(
+            "transformer.wte.weight",
+            &[VOCAB, D],
+            Init::Normal { std: 0.5 },
+        );
+        let wpe = p.p("transformer.wpe.weight", &[T, D], Init::Normal { std: 0.5 });
+        let x = wte
+            .embedding(&ids.flatten_all().unwrap())
+            .unwrap()
+            .reshape((B, T, D))
+            .unwrap();
+        let h = ref_block(&mut p, "transformer.h.0", &x.broadcast_add(&wpe).unwrap());
+        let lw = p.p("transformer.ln_f.weight", &[D], LN_W);
+        let lb = p.p("transformer.ln_f.bias", &[D], LN_B);
+        let logits = ref_linear(&ref_layer_norm(&h, &lw, &lb), &wte, None);
+        let loss =
+            candle_nn::loss::cross_entropy(&logits.reshape((B * T, VOCAB)).unwrap(), &targets)
+                .unwrap();
+        let grads = loss.backward().unwrap();
+
+        for tp in TPS {
+            let out = run_tp(tp, |comm| {
+                let (comm, counts) = Counting::wrap(comm);
+                let store = store(&comm, dtype);
+                let loss = tiny_gpt(&comm, &store.builder(), &ids, &targets)?;
+                let fwd = counts.get("all_reduce");
+                counts.reset();
+                let g = loss.backward()?;
+                assert_eq!(
+                    counts.snapshot().len(),
+                    usize::from(tp > 1),
+                    "only all-reduces"
+                );
+                Ok((loss, param_grads(&store, &g), fwd, counts.get("all_reduce")))
+            });
+            let case = format!("tiny GPT tp={tp}");
+            for (rank, (l, _, fwd, bwd)) in out.iter().enumerate() {
+                assert_close(&format!("{case} loss rank {rank}"), l, &loss, dtype);
+                // embedding 1 + block 2 + loss 2 forward; block 2 + tied head's f 1 backward.
+                let (f, b) = if tp == 1 { (0, 0) } else { (5, 3) };
+                assert_eq!(
+                    (*fwd, *bwd),
+                    (f, b),
+                    "{case} rank {rank}: all-reduces (fwd, bwd)"
+                );
+            }
+            assert_eq!(
+                out[0].1.len(),
+                p.vars.len(),
+                "{case}: parameter count (the head adds none)"
+            );
+            for (name, (spec, _)) in &out[0].1 {
+                let parts: Vec<Tensor> = out.iter().map(|o| o.1[name].1.clone()).collect();
+                let g = merge(&format!("{case} {name}"), *spec, &parts, dtype);
+                let want = grads.get(p.vars[name].as_tensor()).unwrap();
+                assert_close(&format!("{case} grad of {name}"), &g, want, dtype);
+            }
+        }
+    }
+}
