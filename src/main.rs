@@ -1,3 +1,38 @@
+//! The `switchyard` command-line tool.
+
+use clap::{Parser, Subcommand};
+
+mod cli;
+
+#[global_allocator]
+static ALLOC: switchyard::Allocator = switchyard::Allocator;
+
+/// Pipeline, tensor and data-parallel training on candle, with serial parity you can trust.
+#[derive(Parser)]
+#[command(name = "switchyard", version, arg_required_else_help = true)]
+#[command(after_help = "Start with `switchyard train` (a small GPT, pipeline × tensor parallel, on threads).")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Train a GPT on text with any dp × pp × tp layout (default: pp 2 × tp 2 on the bundled text)
+    Train(Box<cli::train::TrainArgs>),
+    /// Generate, validate, simulate and draw a pipeline schedule
+    Schedule(cli::schedule::ScheduleArgs),
+}
+
 fn main() {
-    println!("switchyard: under construction");
+    cli::configure_threads_env();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Train(a) => cli::train::run(*a),
+        Command::Schedule(a) => cli::schedule::run(a),
+    };
+    if let Err(e) = result {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
 }

@@ -85,4 +85,15 @@ pub use linear::{ColumnConfig, ColumnParallelLinear, RowConfig, RowParallelLinea
 pub use loss::vocab_parallel_cross_entropy;
 pub use mlp::ParallelMlp;
 pub use param::{Builder, Init, Param, ParamSource, ParamStore};
-pub use spec::ShardSpec;
+pub use spec::{gather_full_tensor, ShardSpec};
+
+/// The tensor-parallel group a layer computes over (size 1: no tensor parallelism).
+///
+/// Model code holds and passes this handle but never calls it: every collective
+/// happens inside this crate's layers and operators.
+pub type TpGroup = std::sync::Arc<dyn switchyard_comm::Communicator>;
+
+/// A tensor-parallel group of one rank, for single-device use of the layers.
+pub fn single_device() -> TpGroup {
+    switchyard_comm::local::solo()
+}

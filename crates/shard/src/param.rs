@@ -14,7 +14,7 @@ use switchyard_comm::Communicator;
 
 use crate::error::{invalid, ShardError};
 use crate::rng::SplitMix64;
-use crate::spec::ShardSpec;
+use crate::spec::{gather_full_tensor, ShardSpec};
 
 /// How a parameter's full tensor is initialised when the store generates it.
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -206,21 +206,13 @@ impl ParamStore {
                 tp.world_size()
             )));
         }
-        let n = self.tp_size();
-        let mut out = Vec::new();
-        for p in self.params() {
-            let local = p.var.as_detached_tensor();
-            let full = match p.spec {
-                ShardSpec::Split { dim, .. } if n > 1 => {
-                    let all = tp.all_gather(&local, dim)?;
-                    let parts = all.chunk(n, dim)?;
-                    p.spec.merge(&parts)?
-                }
-                _ => local.copy()?,
-            };
-            out.push((p.name, full));
-        }
-        Ok(out)
+        self.params()
+            .into_iter()
+            .map(|p| {
+                let full = gather_full_tensor(tp, &p.spec, &p.var.as_detached_tensor())?;
+                Ok((p.name, full))
+            })
+            .collect()
     }
 
     fn create(

@@ -164,3 +164,20 @@ impl ShardSpec {
         }
     }
 }
+
+/// The full tensor of which `local` is this rank's `spec` shard: one all-gather over
+/// `tp` for a split tensor, a copy for a replicated one. Every rank of `tp` must call it.
+pub fn gather_full_tensor(
+    tp: &dyn switchyard_comm::Communicator,
+    spec: &ShardSpec,
+    local: &Tensor,
+) -> Result<Tensor> {
+    let n = tp.world_size();
+    match *spec {
+        ShardSpec::Split { dim, .. } if n > 1 => {
+            let all = tp.all_gather(local, dim)?;
+            spec.merge(&all.chunk(n, dim)?)
+        }
+        _ => local.copy(),
+    }
+}

@@ -385,6 +385,14 @@ fn panic_message(p: &(dyn Any + Send)) -> String {
     }
 }
 
+/// A world of one rank on the calling thread: every collective is the identity and no
+/// thread is started. For single-device code that takes a communicator.
+pub fn solo() -> Arc<dyn Communicator> {
+    let world = Arc::new(World::new(1, Launcher::DEFAULT_TIMEOUT));
+    let group = world.new_group("solo".into(), vec![0]);
+    Arc::new(LocalComm { world, group, me: 0 })
+}
+
 /// Runs every rank of a job on its own thread: see [`Launcher`].
 pub fn launch<T, E, F>(world_size: usize, f: F) -> std::result::Result<Vec<T>, LaunchError>
 where

@@ -25,4 +25,4 @@
 mod group;
 mod launcher;
 
-pub use launcher::{launch, FailureKind, LaunchError, Launcher, RankFailure};
+pub use launcher::{launch, solo, FailureKind, LaunchError, Launcher, RankFailure};

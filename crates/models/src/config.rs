@@ -1,0 +1,105 @@
+//! The GPT's hyper-parameters and what follows from them (parameter count, FLOPs).
+
+use serde::{Deserialize, Serialize};
+
+/// A GPT-2 style model. The vocabulary is bytes (256) unless a config says otherwise.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GptConfig {
+    pub vocab_size: usize,
+    /// The longest sequence the position table covers.
+    pub block_size: usize,
+    pub n_layer: usize,
+    pub n_head: usize,
+    pub d_model: usize,
+    /// Share the token embedding with the LM head.
+    pub tied_embeddings: bool,
+}
+
+impl GptConfig {
+    /// A tiny model for tests and tutorials: d = 32, 4 heads, `n_layer` layers.
+    pub fn tiny(n_layer: usize) -> GptConfig {
+        GptConfig {
+            vocab_size: 256,
+            block_size: 64,
+            n_layer,
+            n_head: 4,
+            d_model: 32,
+            tied_embeddings: false,
+        }
+    }
+
+    /// Refuses a config that cannot build a model.
+    pub fn validate(&self) -> Result<(), String> {
+        let GptConfig {
+            vocab_size,
+            block_size,
+            n_layer,
+            n_head,
+            d_model,
+            ..
+        } = *self;
+        if vocab_size == 0 || block_size == 0 || n_layer == 0 || n_head == 0 || d_model == 0 {
+            return Err(format!("every model dimension must be positive: {self:?}"));
+        }
+        if d_model % n_head != 0 {
+            return Err(format!(
+                "d_model {d_model} does not divide into {n_head} heads; choose d_model a multiple of the heads"
+            ));
+        }
+        Ok(())
+    }
+
+    pub fn head_dim(&self) -> usize {
+        self.d_model / self.n_head
+    }
+
+    /// Parameters of one transformer block: two LayerNorms, qkv, attention output and
+    /// the MLP (4× hidden), all with biases.
+    pub fn block_params(&self) -> usize {
+        let d = self.d_model;
+        2 * 2 * d + (3 * d * d + 3 * d) + (d * d + d) + (4 * d * d + 4 * d) + (4 * d * d + d)
+    }
+
+    /// All parameters (counting a tied table once).
+    pub fn param_count(&self) -> usize {
+        let d = self.d_model;
+        let emb = self.vocab_size * d + self.block_size * d;
+        let head = 2 * d + if self.tied_embeddings { 0 } else { self.vocab_size * d };
+        emb + self.n_layer * self.block_params() + head
+    }
+
+    /// Training FLOPs per token at sequence length `t`: 6 per weight of every matrix
+    /// product (forward 2, backward 4), plus attention's `q·kᵀ` and `a·v`
+    /// (6 · 2 · n_layer · t · d, counting the full square as PaLM's appendix does).
+    pub fn flops_per_token(&self, t: usize) -> f64 {
+        let d = self.d_model as f64;
+        let matmul_weights = self.n_layer as f64 * 12.0 * d * d + self.vocab_size as f64 * d;
+        6.0 * matmul_weights + 12.0 * self.n_layer as f64 * t as f64 * d
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn param_count_of_gpt2_small_is_124m() {
+        let c = GptConfig {
+            vocab_size: 50257,
+            block_size: 1024,
+            n_layer: 12,
+            n_head: 12,
+            d_model: 768,
+            tied_embeddings: true,
+        };
+        // nanoGPT reports 124.44M with the position table.
+        assert_eq!(c.param_count(), 124_439_808);
+    }
+
+    #[test]
+    fn heads_must_divide_the_width() {
+        let mut c = GptConfig::tiny(2);
+        c.n_head = 5;
+        assert!(c.validate().unwrap_err().contains("does not divide into 5 heads"));
+    }
+}

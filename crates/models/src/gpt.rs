@@ -1,0 +1,221 @@
+//! The GPT (GPT-2 / nanoGPT architecture), one pipeline stage at a time.
+//!
+//! The code reads as single-device code: embeddings, pre-LayerNorm blocks of causal
+//! self-attention and MLP, a final LayerNorm and the LM head. Its layers come from
+//! `switchyard-shard`, which decides from the tensor-parallel group's size whether a
+//! linear is a plain product (size 1) or a Megatron column- or row-parallel one; the
+//! model never talks to a communicator itself. [`crate::plan::GPT_TP_PLAN`] states the
+//! resulting layout declaratively.
+//!
+//! Parameters carry the PyTorch nanoGPT state-dict names and `[out, in]` layouts, so a
+//! checkpoint exported from switchyard loads in PyTorch and the other way round.
+
+use candle_core::{DType, Module, Result, Tensor, Var};
+use switchyard_shard::{
+    vocab_parallel_cross_entropy, ColumnConfig, ColumnParallelLinear, Init, LayerInit,
+    ParallelMlp, ParallelSelfAttention, ParamStore, ShardSpec, TpGroup, VocabParallelEmbedding,
+};
+
+use crate::{GptConfig, StagePlan};
+
+/// LayerNorm epsilon, as GPT-2.
+pub const LN_EPS: f64 = 1e-5;
+/// Standard deviation of the initial weights, as GPT-2.
+pub const INIT_STD: f64 = 0.02;
+
+struct LayerNorm {
+    weight: Var,
+    bias: Var,
+}
+
+impl LayerNorm {
+    fn new(vb: &switchyard_shard::Builder, d: usize) -> Result<LayerNorm> {
+        Ok(LayerNorm {
+            weight: vb.param("weight", &[d], ShardSpec::Replicated, Init::Ones)?,
+            bias: vb.param("bias", &[d], ShardSpec::Replicated, Init::Zeros)?,
+        })
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        switchyard_ops::layer_norm(x, self.weight.as_tensor(), self.bias.as_tensor(), LN_EPS)
+    }
+}
+
+struct Block {
+    ln_1: LayerNorm,
+    attn: ParallelSelfAttention,
+    ln_2: LayerNorm,
+    mlp: ParallelMlp,
+}
+
+impl Block {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let x = (x + self.attn.forward(&self.ln_1.forward(x)?)?)?;
+        &x + self.mlp.forward(&self.ln_2.forward(&x)?)?
+    }
+}
+
+struct Embeddings {
+    wte: VocabParallelEmbedding,
+    wpe: Var,
+}
+
+struct Head {
+    ln_f: LayerNorm,
+    lm_head: ColumnParallelLinear,
+}
+
+/// The part of a GPT that one pipeline stage runs, on one tensor-parallel rank.
+///
+/// * input: token ids `[B, T]` (u32) on the first stage, else activations `[B, T, d]`;
+/// * output: activations `[B, T, d]`, or on the last stage this rank's slice of the
+///   logits, `[B·T, V/tp]`, for [`GptStage::loss`].
+pub struct GptStage {
+    plan: StagePlan,
+    embed: Option<Embeddings>,
+    blocks: Vec<Block>,
+    head: Option<Head>,
+    tp: TpGroup,
+    params: Vec<Var>,
+}
+
+impl GptStage {
+    /// Builds the stage's layers, creating their parameters in `store` (whose source
+    /// decides their values: a seed, or full tensors from a checkpoint).
+    ///
+    /// With tied embeddings, a last stage that does not also hold the embeddings gets
+    /// its own copy of `transformer.wte.weight` (same name, same initial values); the
+    /// trainer sums the gradients of the two copies so they stay equal.
+    pub fn new(cfg: &GptConfig, plan: &StagePlan, store: &ParamStore, tp: TpGroup) -> Result<GptStage> {
+        cfg.validate().map_err(candle_core::Error::Msg)?;
+        let vb = store.builder();
+        let first_param = store.len();
+        let d = cfg.d_model;
+        let init = LayerInit {
+            weight: Init::Normal { std: INIT_STD },
+            proj_weight: Init::Normal {
+                std: INIT_STD / (2.0 * cfg.n_layer as f64).sqrt(),
+            },
+            bias: Init::Zeros,
+        };
+        let normal = Init::Normal { std: INIT_STD };
+        let wte = |vb: &switchyard_shard::Builder| {
+            VocabParallelEmbedding::new(&vb.pp("transformer.wte"), tp.clone(), cfg.vocab_size, d, normal)
+        };
+        let embed = match plan.embed {
+            true => Some(Embeddings {
+                wte: wte(&vb)?,
+                wpe: vb.pp("transformer.wpe").param(
+                    "weight",
+                    &[cfg.block_size, d],
+                    ShardSpec::Replicated,
+                    normal,
+                )?,
+            }),
+            false => None,
+        };
+        let blocks = plan
+            .blocks
+            .clone()
+            .map(|i| {
+                let vb = vb.pp(format!("transformer.h.{i}"));
+                Ok(Block {
+                    ln_1: LayerNorm::new(&vb.pp("ln_1"), d)?,
+                    attn: ParallelSelfAttention::new(&vb, tp.clone(), d, cfg.n_head, init)?,
+                    ln_2: LayerNorm::new(&vb.pp("ln_2"), d)?,
+                    mlp: ParallelMlp::new(&vb, tp.clone(), d, 4 * d, init)?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let head = match plan.head {
+            false => None,
+            true => {
+                let ln_f = LayerNorm::new(&vb.pp("transformer.ln_f"), d)?;
+                let lm_head = match (cfg.tied_embeddings, &embed) {
+                    (true, Some(e)) => e.wte.tied_lm_head()?,
+                    // The table lives on this rank under another stage: share it.
+                    (true, None) => match store.get("transformer.wte.weight") {
+                        Some(p) => ColumnParallelLinear::from_weight(
+                            "lm_head (tied to transformer.wte.weight)",
+                            p.var,
+                            tp.clone(),
+                            false,
+                        )?,
+                        None => wte(&vb)?.tied_lm_head()?,
+                    },
+                    (false, _) => ColumnParallelLinear::new(
+                        &vb.pp("lm_head"),
+                        tp.clone(),
+                        d,
+                        cfg.vocab_size,
+                        ColumnConfig {
+                            bias: false,
+                            gather_output: false,
+                            blocks: 1,
+                            weight_init: normal,
+                            bias_init: Init::Zeros,
+                        },
+                    )?,
+                };
+                Some(Head { ln_f, lm_head })
+            }
+        };
+        let params = store.vars()[first_param..].to_vec();
+        Ok(GptStage {
+            plan: plan.clone(),
+            embed,
+            blocks,
+            head,
+            tp,
+            params,
+        })
+    }
+
+    pub fn plan(&self) -> &StagePlan {
+        &self.plan
+    }
+
+    /// The parameters this stage created, in creation order.
+    pub fn params(&self) -> &[Var] {
+        &self.params
+    }
+
+    /// The mean cross-entropy of this stage's logits slice against `targets` (`[B, T]`
+    /// u32), computed without gathering the vocabulary on one rank.
+    pub fn loss(&self, logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+        vocab_parallel_cross_entropy(logits, &targets.flatten_all()?, &self.tp)
+    }
+}
+
+impl Module for GptStage {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let mut h = match &self.embed {
+            Some(e) => {
+                if x.dtype() != DType::U32 || x.rank() != 2 {
+                    candle_core::bail!(
+                        "the first GPT stage takes token ids [B, T] as u32, got {:?} {:?}",
+                        x.dims(),
+                        x.dtype()
+                    );
+                }
+                let t = x.dim(1)?;
+                let tok = e.wte.forward(x)?;
+                let pos = e.wpe.as_tensor().narrow(0, 0, t)?;
+                tok.broadcast_add(&pos)?
+            }
+            None => x.clone(),
+        };
+        for b in &self.blocks {
+            h = b.forward(&h)?;
+        }
+        match &self.head {
+            Some(head) => {
+                let h = head.ln_f.forward(&h)?;
+                let logits = head.lm_head.forward(&h)?;
+                let v = logits.dim(candle_core::D::Minus1)?;
+                logits.reshape(((), v))
+            }
+            None => Ok(h),
+        }
+    }
+}

@@ -1,0 +1,285 @@
+//! How a model's layers are divided among pipeline stages.
+//!
+//! A split assigns every transformer block to exactly one stage, in order, and at least
+//! one block to each stage; the embeddings go with the first stage and the final norm,
+//! head and loss with the last. It can be even, explicit (layer counts per stage, which
+//! may be uneven) or balanced by cost. Whatever the request, the result is checked: a
+//! split that would drop or duplicate a layer, or leave a stage empty, is an error that
+//! says what to change — never a silently smaller model.
+
+use std::fmt;
+use std::ops::Range;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+/// What one pipeline stage of a layered model runs.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StagePlan {
+    /// The stage index (0 = first).
+    pub stage: usize,
+    /// The transformer blocks, by layer index.
+    pub blocks: Range<usize>,
+    /// Runs the embeddings (the first stage).
+    pub embed: bool,
+    /// Runs the final norm, the head and the loss (the last stage).
+    pub head: bool,
+}
+
+/// How to split: `even`, `balanced`, or explicit counts such as `3,2`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(try_from = "String", into = "String")]
+pub enum SplitSpec {
+    /// Equal counts, the first stages taking one more when it does not divide.
+    #[default]
+    Even,
+    /// Contiguous stages minimising the most expensive stage under [`LayerCosts`].
+    Balanced,
+    /// Exactly these many blocks per stage.
+    Counts(Vec<usize>),
+}
+
+impl fmt::Display for SplitSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            SplitSpec::Even => write!(f, "even"),
+            SplitSpec::Balanced => write!(f, "balanced"),
+            SplitSpec::Counts(c) => {
+                let s: Vec<String> = c.iter().map(|n| n.to_string()).collect();
+                write!(f, "{}", s.join(","))
+            }
+        }
+    }
+}
+
+impl FromStr for SplitSpec {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.trim() {
+            "even" => Ok(SplitSpec::Even),
+            "balanced" => Ok(SplitSpec::Balanced),
+            other => other
+                .split(',')
+                .map(|c| {
+                    c.trim().parse::<usize>().map_err(|_| {
+                        format!("bad split {s:?}: use `even`, `balanced` or layer counts such as `3,2`")
+                    })
+                })
+                .collect::<Result<Vec<_>, _>>()
+                .map(SplitSpec::Counts),
+        }
+    }
+}
+
+impl TryFrom<String> for SplitSpec {
+    type Error = String;
+    fn try_from(s: String) -> Result<Self, String> {
+        s.parse()
+    }
+}
+
+impl From<SplitSpec> for String {
+    fn from(s: SplitSpec) -> String {
+        s.to_string()
+    }
+}
+
+/// Relative costs used by [`SplitSpec::Balanced`] (any unit, e.g. FLOPs per token).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LayerCosts {
+    pub embed: f64,
+    pub block: f64,
+    pub head: f64,
+}
+
+/// Splits `n_layer` blocks over `num_stages` stages.
+pub fn plan_stages(
+    n_layer: usize,
+    num_stages: usize,
+    spec: &SplitSpec,
+    costs: &LayerCosts,
+) -> Result<Vec<StagePlan>, String> {
+    if num_stages == 0 {
+        return Err("a pipeline needs at least one stage".into());
+    }
+    if num_stages > n_layer {
+        return Err(format!(
+            "the pipeline has {num_stages} stages but the model has only {n_layer} layers: \
+             every stage needs at least one layer, so use at most {n_layer} stages \
+             (pipeline ranks × virtual stages) or more layers"
+        ));
+    }
+    let counts = match spec {
+        SplitSpec::Even => (0..num_stages)
+            .map(|s| n_layer / num_stages + usize::from(s < n_layer % num_stages))
+            .collect(),
+        SplitSpec::Balanced => balanced(n_layer, num_stages, costs),
+        SplitSpec::Counts(c) => c.clone(),
+    };
+    check_counts(&counts, n_layer, num_stages)?;
+    let mut start = 0;
+    Ok(counts
+        .iter()
+        .enumerate()
+        .map(|(stage, &c)| {
+            let p = StagePlan {
+                stage,
+                blocks: start..start + c,
+                embed: stage == 0,
+                head: stage + 1 == num_stages,
+            };
+            start += c;
+            p
+        })
+        .collect())
+}
+
+fn check_counts(counts: &[usize], n_layer: usize, num_stages: usize) -> Result<(), String> {
+    if counts.len() != num_stages {
+        return Err(format!(
+            "the split {} gives {} stages but the pipeline has {num_stages}",
+            SplitSpec::Counts(counts.to_vec()),
+            counts.len()
+        ));
+    }
+    if let Some(s) = counts.iter().position(|&c| c == 0) {
+        return Err(format!(
+            "the split {} leaves stage {s} without layers; every stage needs at least one",
+            SplitSpec::Counts(counts.to_vec())
+        ));
+    }
+    let total: usize = counts.iter().sum();
+    if total < n_layer {
+        return Err(format!(
+            "the split {} covers {total} layers but the model has {n_layer}: layers {total}..{n_layer} would be dropped",
+            SplitSpec::Counts(counts.to_vec())
+        ));
+    }
+    if total > n_layer {
+        return Err(format!(
+            "the split {} asks for {total} layers but the model has only {n_layer}",
+            SplitSpec::Counts(counts.to_vec())
+        ));
+    }
+    Ok(())
+}
+
+/// Contiguous counts minimising the most expensive stage (the embeddings count on the
+/// first stage, the head on the last); ties prefer fewer layers on earlier stages.
+fn balanced(n: usize, s: usize, c: &LayerCosts) -> Vec<usize> {
+    let cost = |stage: usize, from: usize, to: usize| {
+        let mut x = (to - from) as f64 * c.block;
+        if stage == 0 {
+            x += c.embed;
+        }
+        if stage + 1 == s {
+            x += c.head;
+        }
+        x
+    };
+    // best[k][i]: the least possible maximum when stages 0..k hold blocks 0..i.
+    let inf = f64::INFINITY;
+    let mut best = vec![vec![inf; n + 1]; s + 1];
+    let mut cut = vec![vec![0usize; n + 1]; s + 1];
+    best[0][0] = 0.0;
+    for k in 1..=s {
+        for i in k..=n {
+            for j in (k - 1)..i {
+                let v = best[k - 1][j].max(cost(k - 1, j, i));
+                if v < best[k][i] - 1e-12 {
+                    best[k][i] = v;
+                    cut[k][i] = j;
+                }
+            }
+        }
+    }
+    let mut counts = vec![0; s];
+    let mut i = n;
+    for k in (1..=s).rev() {
+        let j = cut[k][i];
+        counts[k - 1] = i - j;
+        i = j;
+    }
+    counts
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const FLAT: LayerCosts = LayerCosts {
+        embed: 0.0,
+        block: 1.0,
+        head: 0.0,
+    };
+
+    fn counts(p: &[StagePlan]) -> Vec<usize> {
+        p.iter().map(|s| s.blocks.len()).collect()
+    }
+
+    #[test]
+    fn even_split_covers_every_layer_once() {
+        for n in 1..=12 {
+            for s in 1..=n {
+                let p = plan_stages(n, s, &SplitSpec::Even, &FLAT).unwrap();
+                assert_eq!(p.len(), s);
+                assert_eq!(p[0].blocks.start, 0);
+                assert_eq!(p[s - 1].blocks.end, n);
+                for w in p.windows(2) {
+                    assert_eq!(w[0].blocks.end, w[1].blocks.start);
+                }
+                assert!(p.iter().all(|x| !x.blocks.is_empty()));
+                assert!(p[0].embed && p[s - 1].head);
+            }
+        }
+        assert_eq!(counts(&plan_stages(5, 2, &SplitSpec::Even, &FLAT).unwrap()), [3, 2]);
+    }
+
+    #[test]
+    fn explicit_uneven_counts_are_honoured() {
+        let p = plan_stages(5, 2, &"1,4".parse().unwrap(), &FLAT).unwrap();
+        assert_eq!(p[0].blocks, 0..1);
+        assert_eq!(p[1].blocks, 1..5);
+    }
+
+    #[test]
+    fn a_split_that_drops_or_duplicates_layers_is_refused() {
+        // Megatron-LM #1304: 30 layers on 4 stages silently built 28.
+        let e = plan_stages(30, 4, &"7,7,7,7".parse().unwrap(), &FLAT).unwrap_err();
+        assert!(e.contains("layers 28..30 would be dropped"), "{e}");
+        let e = plan_stages(5, 2, &"3,3".parse().unwrap(), &FLAT).unwrap_err();
+        assert!(e.contains("asks for 6 layers but the model has only 5"), "{e}");
+        let e = plan_stages(5, 2, &"5,0".parse().unwrap(), &FLAT).unwrap_err();
+        assert!(e.contains("leaves stage 1 without layers"), "{e}");
+        let e = plan_stages(5, 3, &"3,2".parse().unwrap(), &FLAT).unwrap_err();
+        assert!(e.contains("gives 2 stages but the pipeline has 3"), "{e}");
+    }
+
+    #[test]
+    fn more_stages_than_layers_is_refused() {
+        let e = plan_stages(3, 4, &SplitSpec::Even, &FLAT).unwrap_err();
+        assert!(e.contains("4 stages but the model has only 3 layers"), "{e}");
+    }
+
+    #[test]
+    fn balanced_split_moves_layers_off_expensive_ends() {
+        let c = LayerCosts {
+            embed: 0.5,
+            block: 1.0,
+            head: 2.0,
+        };
+        let p = plan_stages(8, 2, &SplitSpec::Balanced, &c).unwrap();
+        // Stage costs: 0.5 + 5 = 5.5 and 3 + 2 = 5.
+        assert_eq!(counts(&p), [5, 3]);
+        let p = plan_stages(6, 3, &SplitSpec::Balanced, &FLAT).unwrap();
+        assert_eq!(counts(&p), [2, 2, 2]);
+    }
+
+    #[test]
+    fn split_spec_text_round_trips() {
+        for s in ["even", "balanced", "3,2,1"] {
+            assert_eq!(s.parse::<SplitSpec>().unwrap().to_string(), s);
+        }
+        assert!("3,x".parse::<SplitSpec>().is_err());
+    }
+}

@@ -1,0 +1,157 @@
+//! Byte-level text data: the bundled corpus or any file, deterministic batches, and the
+//! evaluation windows of `switchyard eval`.
+//!
+//! Tokens are bytes (vocabulary 256). A training batch for step `s` is `B` windows of
+//! `T + 1` bytes whose start offsets are drawn from a generator keyed by
+//! `(seed, s, sequence index)`: the same seed gives the same batches in every layout,
+//! and resuming at step `s` needs no other data state.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use candle_core::{Device, Result, Tensor};
+
+/// The bundled corpus: Genesis to Ruth, King James Version (public domain);
+/// see `crates/train/data/README.md`.
+pub const BUNDLED: &[u8] = include_bytes!("../data/kjv-genesis-ruth.txt");
+
+/// A text as bytes.
+#[derive(Clone)]
+pub struct Corpus {
+    pub name: String,
+    bytes: Arc<Vec<u8>>,
+}
+
+impl Corpus {
+    pub fn bundled() -> Corpus {
+        Corpus {
+            name: "bundled (KJV Genesis-Ruth)".into(),
+            bytes: Arc::new(BUNDLED.to_vec()),
+        }
+    }
+
+    pub fn from_bytes(name: impl Into<String>, bytes: Vec<u8>) -> Corpus {
+        Corpus {
+            name: name.into(),
+            bytes: Arc::new(bytes),
+        }
+    }
+
+    pub fn from_file(path: &Path) -> std::result::Result<Corpus, String> {
+        let bytes = std::fs::read(path).map_err(|e| format!("cannot read --data {}: {e}", path.display()))?;
+        Ok(Corpus::from_bytes(path.display().to_string(), bytes))
+    }
+
+    pub fn len(&self) -> usize {
+        self.bytes.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.bytes.is_empty()
+    }
+
+    pub fn bytes(&self) -> &[u8] {
+        &self.bytes
+    }
+
+    /// Refuses a corpus too short for one window of `seq_len + 1` bytes.
+    pub fn check(&self, seq_len: usize) -> std::result::Result<(), String> {
+        if self.len() < seq_len + 1 {
+            return Err(format!(
+                "the data {} has {} bytes, fewer than one window of --seq-len + 1 = {}",
+                self.name,
+                self.len(),
+                seq_len + 1
+            ));
+        }
+        Ok(())
+    }
+
+    /// The start of sequence `i` of step `step`.
+    fn offset(&self, seed: u64, step: usize, i: usize, seq_len: usize) -> usize {
+        let span = (self.len() - seq_len) as u64;
+        let h = mix(mix(mix(seed) ^ step as u64) ^ i as u64);
+        (h % span) as usize
+    }
+
+    /// Sequences `rows` of the global batch of step `step`: inputs and targets `[n, T]`
+    /// as u32, targets shifted by one byte.
+    pub fn batch(
+        &self,
+        seed: u64,
+        step: usize,
+        rows: std::ops::Range<usize>,
+        seq_len: usize,
+    ) -> Result<(Tensor, Tensor)> {
+        let n = rows.len();
+        let mut x = Vec::with_capacity(n * seq_len);
+        let mut y = Vec::with_capacity(n * seq_len);
+        for i in rows {
+            let o = self.offset(seed, step, i, seq_len);
+            let w = &self.bytes[o..o + seq_len + 1];
+            x.extend(w[..seq_len].iter().map(|&b| b as u32));
+            y.extend(w[1..].iter().map(|&b| b as u32));
+        }
+        Ok((
+            Tensor::from_vec(x, (n, seq_len), &Device::Cpu)?,
+            Tensor::from_vec(y, (n, seq_len), &Device::Cpu)?,
+        ))
+    }
+
+    /// The evaluation windows: consecutive, non-overlapping windows of `seq_len + 1`
+    /// bytes from byte 0; window `k` is bytes `[k(L+1), (k+1)(L+1))`, its inputs the first
+    /// `L` bytes and its targets the last `L`. At most `max_windows` (all if `None`).
+    pub fn eval_windows(&self, seq_len: usize, max_windows: Option<usize>) -> Vec<(Vec<u32>, Vec<u32>)> {
+        let w = seq_len + 1;
+        let n = (self.len() / w).min(max_windows.unwrap_or(usize::MAX));
+        (0..n)
+            .map(|k| {
+                let b = &self.bytes[k * w..(k + 1) * w];
+                (
+                    b[..seq_len].iter().map(|&x| x as u32).collect(),
+                    b[1..].iter().map(|&x| x as u32).collect(),
+                )
+            })
+            .collect()
+    }
+}
+
+/// SplitMix64's mixer.
+fn mix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn batches_are_deterministic_and_shifted() {
+        let c = Corpus::bundled();
+        assert!(c.len() <= 1 << 20);
+        let (x1, y1) = c.batch(5, 3, 0..4, 16).unwrap();
+        let (x2, _) = c.batch(5, 3, 0..4, 16).unwrap();
+        assert_eq!(x1.to_vec2::<u32>().unwrap(), x2.to_vec2::<u32>().unwrap());
+        let (x3, _) = c.batch(5, 4, 0..4, 16).unwrap();
+        assert_ne!(x1.to_vec2::<u32>().unwrap(), x3.to_vec2::<u32>().unwrap());
+        let (x, y) = (x1.to_vec2::<u32>().unwrap(), y1.to_vec2::<u32>().unwrap());
+        assert_eq!(x[0][1..], y[0][..15]);
+        // A slice of the global batch is the same rows.
+        let (xs, _) = c.batch(5, 3, 2..4, 16).unwrap();
+        assert_eq!(xs.to_vec2::<u32>().unwrap(), x[2..4]);
+    }
+
+    #[test]
+    fn eval_windows_tile_the_text_from_byte_zero() {
+        let c = Corpus::from_bytes("t", (0..20u8).collect());
+        let w = c.eval_windows(4, None);
+        assert_eq!(w.len(), 4);
+        assert_eq!(w[0], (vec![0, 1, 2, 3], vec![1, 2, 3, 4]));
+        assert_eq!(w[1], (vec![5, 6, 7, 8], vec![6, 7, 8, 9]));
+        assert_eq!(c.eval_windows(4, Some(2)).len(), 2);
+        assert!(c.check(19).is_ok() && c.check(20).is_err());
+    }
+}

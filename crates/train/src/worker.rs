@@ -1,0 +1,379 @@
+//! One rank of a training job: its stages, its shard of the parameters, its optimizer,
+//! and one training step from data to update.
+//!
+//! A step:
+//! 1. the pipeline executor runs this rank's actions of the schedule over its
+//!    microbatches (with tensor-parallel collectives inside the layers);
+//! 2. tied embeddings: the two copies' gradients are summed across the first and last
+//!    pipeline stage;
+//! 3. data parallelism: gradients are summed over the replicas in buckets (the loss was
+//!    already scaled by `1 / (microbatches · dp)`, so the sum is the mean);
+//! 4. one small all-gather over the world shares every rank's loss, squared gradient norm
+//!    and non-finite flags, so every rank knows the job's loss and global norm and
+//!    stops at the same step if anything is not finite;
+//! 5. gradients are clipped by the global norm and AdamW updates this rank's shards.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use candle_core::{DType, Device, Module, Result, Tensor, TensorId, Var};
+use switchyard_comm::{Communicator, Mesh, ReduceOp};
+use switchyard_models::{gpt_layer_costs, plan_stages, GptStage};
+use switchyard_pipeline::{Executor, Microbatches, Stage, StepStats};
+use switchyard_schedule::{generate, lower, Program};
+use switchyard_shard::{gather_full_tensor, Param, ParamSource, ParamStore, ShardSpec};
+
+use crate::data::Corpus;
+use crate::optim::{sum_sq, AdamW, AdamWConfig, LrSchedule};
+use crate::TrainConfig;
+
+/// A [`GptStage`] as a pipeline [`Stage`].
+struct PipelineStage<'a> {
+    gpt: &'a GptStage,
+    params: Vec<Var>,
+}
+
+impl Stage for PipelineStage<'_> {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.gpt.forward(x)
+    }
+    fn params(&self) -> &[Var] {
+        &self.params
+    }
+}
+
+/// What one step measured.
+#[derive(Debug, Clone)]
+pub struct StepMetrics {
+    pub step: usize,
+    /// The mean loss over the whole global batch.
+    pub loss: f64,
+    /// The global gradient norm before clipping.
+    pub grad_norm: f64,
+    pub lr: f64,
+    /// Wall time of the step on this rank, in seconds.
+    pub seconds: f64,
+    /// What the pipeline executor measured on this rank.
+    pub exec: StepStats,
+}
+
+/// The error of a step that found a non-finite loss or gradient.
+#[derive(Debug, Clone)]
+pub struct NonFinite {
+    pub step: usize,
+    /// The lowest rank on which it appeared.
+    pub rank: usize,
+    /// This rank's own finding, when it is that rank.
+    pub detail: Option<String>,
+}
+
+/// One rank's state.
+pub struct Worker {
+    pub cfg: TrainConfig,
+    pub mesh: Mesh,
+    program: Program,
+    store: ParamStore,
+    stages: Vec<(u32, GptStage)>,
+    params: Vec<Param>,
+    index: HashMap<TensorId, usize>,
+    /// Whether a parameter's gradient counts toward the global norm on this rank (each
+    /// parameter counted once per replica).
+    owned: Vec<bool>,
+    /// With tied embeddings split over pipeline stages: the table's index and the group
+    /// of the two stages that hold a copy.
+    tied: Option<(usize, Arc<dyn Communicator>)>,
+    pub opt: AdamW,
+    pub schedule: LrSchedule,
+    corpus: Corpus,
+    epoch: Instant,
+}
+
+impl Worker {
+    /// Builds this rank's part of the job. Collective over `world`.
+    pub fn new(
+        world: Arc<dyn Communicator>,
+        cfg: &TrainConfig,
+        corpus: &Corpus,
+        source: ParamSource,
+    ) -> anyhow::Result<Worker> {
+        cfg.validate().map_err(anyhow::Error::msg)?;
+        let mesh = Mesh::new(world.clone(), cfg.mesh())?;
+        let kind = cfg.schedule_kind().map_err(anyhow::Error::msg)?;
+        let program = lower(&generate(kind, cfg.pp, cfg.microbatches)?)?;
+        let plans = plan_stages(
+            cfg.model.n_layer,
+            cfg.num_stages(),
+            &cfg.split,
+            &gpt_layer_costs(&cfg.model, cfg.seq_len),
+        )
+        .map_err(anyhow::Error::msg)?;
+        let store = ParamStore::for_group(&*mesh.tp, DType::F32, source)?;
+        let mut stages = Vec::new();
+        for s in program.stages_of_rank(mesh.coord.pp as u32) {
+            let gpt = GptStage::new(&cfg.model, &plans[s as usize], &store, mesh.tp.clone())?;
+            stages.push((s, gpt));
+        }
+        let params = store.params();
+        let index = params.iter().enumerate().map(|(i, p)| (p.var.id(), i)).collect();
+        let last = program.num_stages - 1;
+        let head_elsewhere = program.rank_of_stage(0) != program.rank_of_stage(last);
+        let wte = "transformer.wte.weight";
+        let has_embed = stages.iter().any(|(s, _)| *s == 0);
+        let owned = params
+            .iter()
+            .map(|p| {
+                let tied_copy = p.name == wte && cfg.model.tied_embeddings && !has_embed;
+                !tied_copy && (p.spec != ShardSpec::Replicated || mesh.coord.tp == 0)
+            })
+            .collect();
+        let tied = if cfg.model.tied_embeddings && head_elsewhere {
+            let ends = [program.rank_of_stage(0), program.rank_of_stage(last)];
+            let me = mesh.coord.pp as u32;
+            let (color, key) = match ends.contains(&me) {
+                true => (1 + mesh.coord.dp * cfg.tp + mesh.coord.tp, mesh.coord.pp),
+                false => (0, world.rank()),
+            };
+            let group = world.split_named(color, key, "embedding")?;
+            let i = params.iter().position(|p| p.name == wte);
+            i.map(|i| (i, group))
+        } else {
+            None
+        };
+        let adam = AdamWConfig {
+            beta1: cfg.beta1,
+            beta2: cfg.beta2,
+            eps: 1e-8,
+            weight_decay: cfg.weight_decay,
+        };
+        let opt = AdamW::new(params.iter().map(|p| p.var.clone()).collect(), adam);
+        let schedule = LrSchedule {
+            max_lr: cfg.lr,
+            min_lr: cfg.min_lr,
+            warmup: cfg.warmup,
+            total: cfg.steps,
+        };
+        Ok(Worker {
+            cfg: cfg.clone(),
+            mesh,
+            program,
+            store,
+            stages,
+            params,
+            index,
+            owned,
+            tied,
+            opt,
+            schedule,
+            corpus: corpus.clone(),
+            epoch: Instant::now(),
+        })
+    }
+
+    /// Times in traces are measured from `epoch`.
+    pub fn set_epoch(&mut self, epoch: Instant) {
+        self.epoch = epoch;
+    }
+
+    pub fn program(&self) -> &Program {
+        &self.program
+    }
+
+    pub fn params(&self) -> &[Param] {
+        &self.params
+    }
+
+    pub fn store(&self) -> &ParamStore {
+        &self.store
+    }
+
+    /// Forward and backward over this step's microbatches: this rank's gradient of each
+    /// parameter (not yet summed over replicas or tied copies), the losses of the
+    /// microbatches that ended here, and the executor's measurements.
+    pub fn compute_grads(&self, step: usize) -> Result<(Vec<Option<Tensor>>, Vec<f64>, StepStats)> {
+        let c = &self.cfg;
+        let (m, mbs) = (c.microbatches, c.microbatch_size());
+        let per_replica = c.batch / c.dp;
+        let first = self.mesh.coord.dp * per_replica;
+        let (x, y) = self.corpus.batch(c.seed, step, first..first + per_replica, c.seq_len)?;
+        let inputs = (0..m).map(|i| x.narrow(0, i * mbs, mbs)).collect::<Result<Vec<_>>>()?;
+        let targets = (0..m).map(|i| y.narrow(0, i * mbs, mbs)).collect::<Result<Vec<_>>>()?;
+        let last = self.program.num_stages - 1;
+        let head = self.stages.iter().find(|(s, _)| *s == last).map(|(_, g)| g);
+        let loss = |out: &Tensor, mb: usize| match head {
+            Some(h) => h.loss(out, &targets[mb]),
+            None => candle_core::bail!("the loss runs on the last stage, which is not on this rank"),
+        };
+        let wrapped: Vec<PipelineStage> = self
+            .stages
+            .iter()
+            .map(|(_, g)| {
+                let mut params = g.params().to_vec();
+                // A head tied to a table on this rank uses the table without owning it.
+                if g.plan().head && c.model.tied_embeddings && !g.plan().embed {
+                    if let Some(p) = self.store.get("transformer.wte.weight") {
+                        if !params.iter().any(|v| v.id() == p.var.id()) {
+                            params.push(p.var);
+                        }
+                    }
+                }
+                PipelineStage { gpt: g, params }
+            })
+            .collect();
+        let refs: Vec<(u32, &dyn Stage)> = self
+            .stages
+            .iter()
+            .zip(&wrapped)
+            .map(|((s, _), w)| (*s, w as &dyn Stage))
+            .collect();
+        let exec = Executor::new(&self.program, &*self.mesh.pp, refs)?.with_epoch(self.epoch);
+        let out = exec.run(&Microbatches {
+            inputs,
+            loss: &loss,
+            loss_scale: 1.0 / (m * c.dp) as f64,
+        })?;
+        let mut grads: Vec<Option<Tensor>> = vec![None; self.params.len()];
+        for ((_, gs), w) in out.grads.into_iter().zip(&wrapped) {
+            for (g, v) in gs.into_iter().zip(&w.params) {
+                let (Some(g), Some(&i)) = (g, self.index.get(&v.id())) else {
+                    continue;
+                };
+                grads[i] = Some(match grads[i].take() {
+                    Some(prev) => (prev + g)?,
+                    None => g,
+                });
+            }
+        }
+        let losses = out.losses.into_iter().map(|(_, l)| l).collect();
+        Ok((grads, losses, out.stats))
+    }
+
+    /// Sums the tied copies' gradients and averages over data-parallel replicas.
+    pub fn sync_grads(&self, grads: &mut [Option<Tensor>]) -> Result<()> {
+        for (g, p) in grads.iter_mut().zip(&self.params) {
+            if g.is_none() {
+                *g = Some(p.var.zeros_like()?);
+            }
+        }
+        if let Some((i, group)) = &self.tied {
+            let g = grads[*i].as_ref().expect("filled above");
+            grads[*i] = Some(group.all_reduce(g, ReduceOp::Sum)?);
+        }
+        if self.cfg.dp > 1 {
+            self.all_reduce_buckets(grads)?;
+        }
+        Ok(())
+    }
+
+    /// Data-parallel all-reduce, a bucket of about `bucket_mib` at a time.
+    fn all_reduce_buckets(&self, grads: &mut [Option<Tensor>]) -> Result<()> {
+        let limit = ((self.cfg.bucket_mib * 1024.0 * 1024.0) / 4.0).max(1.0) as usize;
+        let mut start = 0;
+        while start < grads.len() {
+            let mut end = start;
+            let mut elems = 0;
+            while end < grads.len() && (end == start || elems + grads[end].as_ref().unwrap().elem_count() <= limit) {
+                elems += grads[end].as_ref().unwrap().elem_count();
+                end += 1;
+            }
+            let flat: Vec<Tensor> = grads[start..end]
+                .iter()
+                .map(|g| g.as_ref().unwrap().flatten_all())
+                .collect::<Result<_>>()?;
+            let summed = self.mesh.dp.all_reduce(&Tensor::cat(&flat, 0)?, ReduceOp::Sum)?;
+            let mut off = 0;
+            for g in &mut grads[start..end] {
+                let t = g.as_ref().unwrap();
+                let n = t.elem_count();
+                *g = Some(summed.narrow(0, off, n)?.reshape(t.shape())?);
+                off += n;
+            }
+            start = end;
+        }
+        Ok(())
+    }
+
+    /// One full training step (see the module docs). Collective over the world.
+    pub fn step(&mut self, step: usize) -> anyhow::Result<std::result::Result<StepMetrics, NonFinite>> {
+        let t0 = Instant::now();
+        let (mut grads, losses, exec) = self.compute_grads(step)?;
+        self.sync_grads(&mut grads)?;
+        let mut sq_owned = 0.0;
+        let mut bad_grad = None;
+        for ((g, p), owned) in grads.iter().zip(&self.params).zip(&self.owned) {
+            let s = sum_sq(g.as_ref().expect("synced"))?;
+            if !s.is_finite() && bad_grad.is_none() {
+                bad_grad = Some(p.name.clone());
+            }
+            if *owned && self.mesh.coord.dp == 0 {
+                sq_owned += s;
+            }
+        }
+        let reports_loss = self.mesh.coord.tp == 0 && !losses.is_empty();
+        let loss_sum: f64 = if reports_loss { losses.iter().sum() } else { 0.0 };
+        let bad_loss = losses.iter().any(|l| !l.is_finite());
+        let mine = [
+            loss_sum,
+            if reports_loss { losses.len() as f64 } else { 0.0 },
+            if sq_owned.is_finite() { sq_owned } else { 0.0 },
+            f64::from(u8::from(bad_loss)),
+            f64::from(u8::from(bad_grad.is_some())),
+        ];
+        let all = self
+            .mesh
+            .world
+            .all_gather(&Tensor::new(&mine, &Device::Cpu)?, 0)?
+            .to_vec1::<f64>()?;
+        let rows: Vec<&[f64]> = all.chunks(5).collect();
+        if let Some(r) = rows.iter().position(|x| x[3] != 0.0 || x[4] != 0.0) {
+            let me = self.mesh.world.rank();
+            let detail = (r == me).then(|| match (&bad_grad, bad_loss) {
+                (_, true) => format!("the loss of a microbatch is {}", losses.iter().find(|l| !l.is_finite()).unwrap()),
+                (Some(name), false) => format!("the gradient of {name} is not finite"),
+                (None, false) => "non-finite values".into(),
+            });
+            return Ok(Err(NonFinite {
+                step,
+                rank: r,
+                detail,
+            }));
+        }
+        let count: f64 = rows.iter().map(|x| x[1]).sum();
+        let loss = rows.iter().map(|x| x[0]).sum::<f64>() / count;
+        let grad_norm = rows.iter().map(|x| x[2]).sum::<f64>().sqrt();
+        let clip = self.cfg.grad_clip;
+        if clip > 0.0 && grad_norm > clip {
+            let scale = clip / (grad_norm + 1e-6);
+            for g in grads.iter_mut().flatten() {
+                *g = g.affine(scale, 0.0)?;
+            }
+        }
+        let lr = self.schedule.at(step);
+        self.opt.step(&grads, lr)?;
+        Ok(Ok(StepMetrics {
+            step,
+            loss,
+            grad_norm,
+            lr,
+            seconds: t0.elapsed().as_secs_f64(),
+            exec,
+        }))
+    }
+
+    /// Every parameter's full gradient by name, gathered over the tensor-parallel group
+    /// (a collective over `tp`). For parity tests and debugging.
+    pub fn full_grads(&self, grads: &[Option<Tensor>]) -> Result<Vec<(String, Tensor)>> {
+        let tp = &*self.mesh.tp;
+        self.params
+            .iter()
+            .zip(grads)
+            .map(|(p, g)| {
+                let g = match g {
+                    Some(g) => g.clone(),
+                    None => p.var.zeros_like()?,
+                };
+                Ok((p.name.clone(), gather_full_tensor(tp, &p.spec, &g)?))
+            })
+            .collect()
+    }
+}

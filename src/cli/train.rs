@@ -1,0 +1,178 @@
+//! `switchyard train`: flags over an optional TOML file over the defaults.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{anyhow, Context};
+use clap::Args;
+use switchyard_models::SplitSpec;
+use switchyard_train::data::Corpus;
+use switchyard_train::{train, TrainConfig, TrainOptions};
+
+#[derive(Args, Default)]
+pub struct TrainArgs {
+    /// A TOML file with any of the settings below (flags win); see docs/reference/config.md
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Data-parallel replicas
+    #[arg(long)]
+    pub dp: Option<usize>,
+    /// Pipeline ranks
+    #[arg(long)]
+    pub pp: Option<usize>,
+    /// Tensor-parallel ranks
+    #[arg(long)]
+    pub tp: Option<usize>,
+    /// gpipe, 1f1b, interleaved or zb-h1
+    #[arg(long)]
+    pub schedule: Option<String>,
+    /// Microbatches per step on each replica
+    #[arg(long)]
+    pub microbatches: Option<usize>,
+    /// Model chunks per pipeline rank (interleaved)
+    #[arg(long)]
+    pub virtual_stages: Option<usize>,
+    /// Layers per stage: even, balanced, or counts such as 3,2
+    #[arg(long)]
+    pub split: Option<SplitSpec>,
+    #[arg(long)]
+    pub steps: Option<usize>,
+    /// Sequences per step, over all replicas
+    #[arg(long)]
+    pub batch: Option<usize>,
+    #[arg(long)]
+    pub seq_len: Option<usize>,
+    #[arg(long)]
+    pub d_model: Option<usize>,
+    #[arg(long)]
+    pub layers: Option<usize>,
+    #[arg(long)]
+    pub heads: Option<usize>,
+    /// Share the token embedding with the LM head
+    #[arg(long)]
+    pub tied: bool,
+    /// Peak learning rate
+    #[arg(long)]
+    pub lr: Option<f64>,
+    #[arg(long)]
+    pub min_lr: Option<f64>,
+    #[arg(long)]
+    pub warmup: Option<usize>,
+    #[arg(long)]
+    pub weight_decay: Option<f64>,
+    /// Clip the global gradient norm (0: off)
+    #[arg(long)]
+    pub grad_clip: Option<f64>,
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// A text file to train on (default: the bundled corpus)
+    #[arg(long)]
+    pub data: Option<PathBuf>,
+    /// Write JSON lines, one per step
+    #[arg(long)]
+    pub metrics: Option<PathBuf>,
+    /// Write a Chrome trace of every action of every rank (open in Perfetto)
+    #[arg(long)]
+    pub trace: Option<PathBuf>,
+    /// Compute threads per worker (default: the cores shared out)
+    #[arg(long)]
+    pub threads_per_worker: Option<usize>,
+    /// Bound on any blocking communication, in seconds
+    #[arg(long)]
+    pub comm_timeout: Option<f64>,
+    /// No progress bar
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+/// The settings a TOML file may hold besides [`TrainConfig`]'s.
+const FILE_ONLY: [&str; 3] = ["data", "metrics", "trace"];
+
+fn load_file(path: &Path) -> anyhow::Result<(TrainConfig, toml::Table)> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read --config {}", path.display()))?;
+    let mut table: toml::Table = text
+        .parse()
+        .with_context(|| format!("--config {} is not valid TOML", path.display()))?;
+    let mut extra = toml::Table::new();
+    for k in FILE_ONLY {
+        if let Some(v) = table.remove(k) {
+            extra.insert(k.into(), v);
+        }
+    }
+    let cfg: TrainConfig = toml::Value::Table(table)
+        .try_into()
+        .with_context(|| format!("--config {}", path.display()))?;
+    Ok((cfg, extra))
+}
+
+/// The configuration and options `a` describes.
+pub fn resolve(a: &TrainArgs) -> anyhow::Result<(TrainConfig, Option<PathBuf>, TrainOptions)> {
+    let (mut c, file) = match &a.config {
+        Some(p) => load_file(p)?,
+        None => (TrainConfig::default(), toml::Table::new()),
+    };
+    let path = |k: &str| file.get(k).and_then(|v| v.as_str()).map(PathBuf::from);
+    macro_rules! set {
+        ($($flag:ident => $($field:ident).+),* $(,)?) => {
+            $(if let Some(v) = a.$flag.clone() { c.$($field).+ = v; })*
+        };
+    }
+    set!(dp => dp, pp => pp, tp => tp, schedule => schedule, microbatches => microbatches,
+        virtual_stages => virtual_stages, split => split, steps => steps, batch => batch,
+        seq_len => seq_len, d_model => model.d_model, layers => model.n_layer,
+        heads => model.n_head, lr => lr, min_lr => min_lr, warmup => warmup,
+        weight_decay => weight_decay, grad_clip => grad_clip, seed => seed,
+        threads_per_worker => threads_per_worker, comm_timeout => comm_timeout_secs);
+    if a.tied {
+        c.model.tied_embeddings = true;
+    }
+    if a.lr.is_some() && a.min_lr.is_none() && c.min_lr > c.lr {
+        c.min_lr = c.lr / 10.0;
+    }
+    if a.seq_len.is_some() && c.model.block_size < c.seq_len {
+        c.model.block_size = c.seq_len;
+    }
+    let opts = TrainOptions {
+        metrics: a.metrics.clone().or_else(|| path("metrics")),
+        trace: a.trace.clone().or_else(|| path("trace")),
+        progress: !a.quiet,
+    };
+    Ok((c, a.data.clone().or_else(|| path("data")), opts))
+}
+
+pub fn run(a: TrainArgs) -> anyhow::Result<()> {
+    let (cfg, data, opts) = resolve(&a)?;
+    cfg.validate().map_err(|e| anyhow!("invalid configuration: {e}"))?;
+    let corpus = match &data {
+        Some(p) => Corpus::from_file(p).map_err(anyhow::Error::msg)?,
+        None => Corpus::bundled(),
+    };
+    let workers = cfg.world_size();
+    let threads = match cfg.threads_per_worker {
+        0 => switchyard_comm::threads::default_threads_per_worker(workers),
+        n => n,
+    };
+    super::set_gemm_threads(threads);
+    eprintln!(
+        "switchyard: GPT {} layers × d {} ({:.2}M parameters) on {} ({} bytes); {} workers: dp {} × pp {} × tp {}, {} with {} microbatches",
+        cfg.model.n_layer,
+        cfg.model.d_model,
+        cfg.model.param_count() as f64 / 1e6,
+        corpus.name,
+        corpus.len(),
+        workers,
+        cfg.dp,
+        cfg.pp,
+        cfg.tp,
+        cfg.schedule,
+        cfg.microbatches
+    );
+    let report = train(&cfg, &corpus, &opts)?;
+    print!("{}", report.render(&cfg));
+    if let Some(p) = &opts.metrics {
+        println!("metrics: {}", p.display());
+    }
+    if let Some(p) = &opts.trace {
+        println!("trace: {} (open in https://ui.perfetto.dev)", p.display());
+    }
+    Ok(())
+}
