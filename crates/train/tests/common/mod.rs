@@ -1,0 +1,155 @@
+//! Shared by the parity tests: a tiny configuration, the single-device reference run, and
+//! a parallel run that gathers every gradient by name.
+
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+
+use candle_core::{DType, Tensor};
+use switchyard_comm::local::Launcher;
+use switchyard_models::{plan_stages, GptStage, LayerCosts, ReferenceGpt, SplitSpec};
+use switchyard_shard::{single_device, ParamSource, ParamStore};
+use switchyard_train::data::Corpus;
+use switchyard_train::optim::{sum_sq, AdamW, AdamWConfig, LrSchedule};
+use switchyard_train::{TrainConfig, Worker};
+
+/// A model small enough for 8 layers on 8 threads to train in milliseconds.
+pub fn tiny(dp: usize, pp: usize, tp: usize, schedule: &str) -> TrainConfig {
+    let mut c = TrainConfig::default();
+    c.model.n_layer = 8;
+    c.model.d_model = 16;
+    c.model.n_head = 4;
+    c.model.block_size = 8;
+    c.seq_len = 8;
+    c.dp = dp;
+    c.pp = pp;
+    c.tp = tp;
+    c.schedule = schedule.into();
+    c.virtual_stages = if schedule == "interleaved" { 2 } else { 1 };
+    c.microbatches = 4;
+    c.batch = 4 * dp;
+    c.steps = 20;
+    c.warmup = 3;
+    c.lr = 1e-2;
+    c.min_lr = 1e-3;
+    c.threads_per_worker = 1;
+    c
+}
+
+/// The initial full weights of `cfg` by name, as one device holds them.
+pub fn initial_weights(cfg: &TrainConfig) -> HashMap<String, Tensor> {
+    let store = ParamStore::new(DType::F32, 0, 1, ParamSource::Init { seed: cfg.seed }).unwrap();
+    let flat = LayerCosts {
+        embed: 0.0,
+        block: 1.0,
+        head: 0.0,
+    };
+    let plan = plan_stages(cfg.model.n_layer, 1, &SplitSpec::Even, &flat).unwrap();
+    GptStage::new(&cfg.model, &plan[0], &store, single_device()).unwrap();
+    store
+        .params()
+        .into_iter()
+        .map(|p| (p.name, p.var.as_tensor().copy().unwrap()))
+        .collect()
+}
+
+/// The reference's loss and gradients on step `step`'s global batch.
+pub fn reference_step(cfg: &TrainConfig, weights: &HashMap<String, Tensor>, step: usize) -> (f64, HashMap<String, Tensor>) {
+    let model = ReferenceGpt::new(&cfg.model, weights).unwrap();
+    let (x, y) = Corpus::bundled().batch(cfg.seed, step, 0..cfg.batch, cfg.seq_len).unwrap();
+    model.loss_and_grads(&x, &y).unwrap()
+}
+
+/// The reference trained for `cfg.steps` steps with the trainer's optimizer rules.
+pub fn reference_curve(cfg: &TrainConfig) -> Vec<f64> {
+    let model = ReferenceGpt::new(&cfg.model, &initial_weights(cfg)).unwrap();
+    let mut names: Vec<&String> = model.params().keys().collect();
+    names.sort();
+    let vars: Vec<_> = names.iter().map(|n| model.params()[*n].clone()).collect();
+    let adam = AdamWConfig {
+        beta1: cfg.beta1,
+        beta2: cfg.beta2,
+        eps: 1e-8,
+        weight_decay: cfg.weight_decay,
+    };
+    let mut opt = AdamW::new(vars.clone(), adam);
+    let sched = LrSchedule {
+        max_lr: cfg.lr,
+        min_lr: cfg.min_lr,
+        warmup: cfg.warmup,
+        total: cfg.steps,
+    };
+    let corpus = Corpus::bundled();
+    let mut losses = Vec::new();
+    for step in 0..cfg.steps {
+        let (x, y) = corpus.batch(cfg.seed, step, 0..cfg.batch, cfg.seq_len).unwrap();
+        let loss = model.loss(&x, &y).unwrap();
+        let g = loss.backward().unwrap();
+        let mut grads: Vec<Option<Tensor>> = vars.iter().map(|v| g.get(v.as_tensor()).cloned()).collect();
+        let norm = grads.iter().flatten().map(|t| sum_sq(t).unwrap()).sum::<f64>().sqrt();
+        if cfg.grad_clip > 0.0 && norm > cfg.grad_clip {
+            let s = cfg.grad_clip / (norm + 1e-6);
+            for t in grads.iter_mut().flatten() {
+                *t = t.affine(s, 0.0).unwrap();
+            }
+        }
+        opt.step(&grads, sched.at(step)).unwrap();
+        losses.push(loss.to_scalar::<f32>().unwrap() as f64);
+    }
+    losses
+}
+
+/// One parallel step of `cfg`: the job's mean loss and every full gradient by name
+/// (after the tied and data-parallel sums, before clipping).
+pub fn parallel_step(cfg: &TrainConfig, step: usize) -> (f64, HashMap<String, Tensor>) {
+    let corpus = Corpus::bundled();
+    let outs = Launcher::new(cfg.world_size())
+        .threads_per_worker(1)
+        .run(|world| {
+            let w = Worker::new(world, cfg, &corpus, ParamSource::Init { seed: cfg.seed })?;
+            let (mut grads, losses, _) = w.compute_grads(step)?;
+            w.sync_grads(&mut grads)?;
+            let full = w.full_grads(&grads)?;
+            Ok::<_, anyhow::Error>((w.mesh.coord, full, losses))
+        })
+        .unwrap_or_else(|e| panic!("{e}"));
+    let mut grads = HashMap::new();
+    let mut losses = Vec::new();
+    for (coord, full, l) in outs {
+        if coord.tp == 0 {
+            losses.extend(l);
+        }
+        if coord.dp == 0 {
+            grads.extend(full);
+        }
+    }
+    assert_eq!(losses.len(), cfg.microbatches * cfg.dp, "one loss per microbatch");
+    (losses.iter().sum::<f64>() / losses.len() as f64, grads)
+}
+
+/// `max |a − b| / max |b|` over the tensor.
+pub fn rel_err(a: &Tensor, b: &Tensor) -> f64 {
+    assert_eq!(a.dims(), b.dims());
+    let diff = (a - b).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap() as f64;
+    let scale = b.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap() as f64;
+    diff / scale.max(f64::MIN_POSITIVE)
+}
+
+/// Checks one step of `cfg` against the reference: loss and every gradient within `tol`.
+pub fn assert_step_parity(cfg: &TrainConfig, tol: f64) {
+    let weights = initial_weights(cfg);
+    let (want_loss, want) = reference_step(cfg, &weights, 0);
+    let (loss, got) = parallel_step(cfg, 0);
+    let what = format!("dp {} pp {} tp {} {}", cfg.dp, cfg.pp, cfg.tp, cfg.schedule);
+    let lerr = (loss - want_loss).abs() / want_loss.abs();
+    assert!(lerr <= tol, "{what}: loss {loss} vs reference {want_loss} (rel {lerr:.2e})");
+    let mut names: Vec<_> = want.keys().cloned().collect();
+    names.sort();
+    let mut got_names: Vec<_> = got.keys().cloned().collect();
+    got_names.sort();
+    assert_eq!(got_names, names, "{what}: the parallel model has other parameters");
+    for n in &names {
+        let e = rel_err(&got[n], &want[n]);
+        assert!(e <= tol, "{what}: gradient of {n} differs by {e:.2e} (relative)");
+    }
+}
