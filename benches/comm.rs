@@ -102,10 +102,15 @@ fn bench(c: &mut Criterion) {
             g.throughput(Throughput::Bytes(bytes as u64));
             g.bench_function(label(bytes), |b| {
                 b.iter_custom(|iters| {
-                    timed(world, iters, |r| input(bytes, r), |comm, x| {
-                        black_box(comm.all_reduce(x, ReduceOp::Sum)?);
-                        Ok(())
-                    })
+                    timed(
+                        world,
+                        iters,
+                        |r| input(bytes, r),
+                        |comm, x| {
+                            black_box(comm.all_reduce(x, ReduceOp::Sum)?);
+                            Ok(())
+                        },
+                    )
                 })
             });
         }
@@ -117,10 +122,15 @@ fn bench(c: &mut Criterion) {
             g.throughput(Throughput::Bytes(bytes as u64));
             g.bench_function(label(bytes), |b| {
                 b.iter_custom(|iters| {
-                    timed(world, iters, |r| input(bytes / world, r), |comm, x| {
-                        black_box(comm.all_gather(x, 0)?);
-                        Ok(())
-                    })
+                    timed(
+                        world,
+                        iters,
+                        |r| input(bytes / world, r),
+                        |comm, x| {
+                            black_box(comm.all_gather(x, 0)?);
+                            Ok(())
+                        },
+                    )
                 })
             });
         }
@@ -131,13 +141,18 @@ fn bench(c: &mut Criterion) {
             g.throughput(Throughput::Bytes(bytes as u64));
             g.bench_function(label(bytes), |b| {
                 b.iter_custom(|iters| {
-                    timed(world, iters, |r| input(bytes, r), |comm, x| {
-                        // A ring: every rank sends to the next and receives from the previous.
-                        let n = comm.world_size();
-                        comm.send(x, (comm.rank() + 1) % n, 0)?;
-                        black_box(comm.recv((comm.rank() + n - 1) % n, 0)?);
-                        Ok(())
-                    })
+                    timed(
+                        world,
+                        iters,
+                        |r| input(bytes, r),
+                        |comm, x| {
+                            // A ring: every rank sends to the next and receives from the previous.
+                            let n = comm.world_size();
+                            comm.send(x, (comm.rank() + 1) % n, 0)?;
+                            black_box(comm.recv((comm.rank() + n - 1) % n, 0)?);
+                            Ok(())
+                        },
+                    )
                 })
             });
         }

@@ -10,7 +10,9 @@ static ALLOC: switchyard::Allocator = switchyard::Allocator;
 /// Pipeline, tensor and data-parallel training on candle, with serial parity you can trust.
 #[derive(Parser)]
 #[command(name = "switchyard", version, arg_required_else_help = true)]
-#[command(after_help = "Start with `switchyard train` (a small GPT, pipeline × tensor parallel, on threads).")]
+#[command(
+    after_help = "Start with `switchyard train` (a small GPT, pipeline × tensor parallel, on threads)."
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,

@@ -53,7 +53,8 @@ pub fn run(a: ScheduleArgs) -> anyhow::Result<()> {
     };
     let text = report(&program, &costs, format)?;
     match &a.out {
-        Some(path) => std::fs::write(path, text).with_context(|| format!("cannot write {}", path.display()))?,
+        Some(path) => std::fs::write(path, text)
+            .with_context(|| format!("cannot write {}", path.display()))?,
         None => print!("{text}"),
     }
     Ok(())

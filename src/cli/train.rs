@@ -88,7 +88,8 @@ pub struct TrainArgs {
 const FILE_ONLY: [&str; 3] = ["data", "metrics", "trace"];
 
 fn load_file(path: &Path) -> anyhow::Result<(TrainConfig, toml::Table)> {
-    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read --config {}", path.display()))?;
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("cannot read --config {}", path.display()))?;
     let mut table: toml::Table = text
         .parse()
         .with_context(|| format!("--config {} is not valid TOML", path.display()))?;
@@ -141,7 +142,8 @@ pub fn resolve(a: &TrainArgs) -> anyhow::Result<(TrainConfig, Option<PathBuf>, T
 
 pub fn run(a: TrainArgs) -> anyhow::Result<()> {
     let (cfg, data, opts) = resolve(&a)?;
-    cfg.validate().map_err(|e| anyhow!("invalid configuration: {e}"))?;
+    cfg.validate()
+        .map_err(|e| anyhow!("invalid configuration: {e}"))?;
     let corpus = match &data {
         Some(p) => Corpus::from_file(p).map_err(anyhow::Error::msg)?,
         None => Corpus::bundled(),

@@ -96,7 +96,11 @@ pub fn point_to_point(comm: &dyn Communicator) -> Check {
     }
     for (tag, shape) in shapes.iter().enumerate() {
         let got = ctx("recv", comm.recv(prev, tag as u64))?;
-        let shape: Vec<usize> = if tag == 2 { vec![prev + 1, 2] } else { shape.to_vec() };
+        let shape: Vec<usize> = if tag == 2 {
+            vec![prev + 1, 2]
+        } else {
+            shape.to_vec()
+        };
         let len = shape.iter().product();
         let want = input(prev, len, DTYPES[tag % 2], tag)
             .reshape(shape)
@@ -136,9 +140,16 @@ pub fn all_reduce(comm: &dyn Communicator) -> Check {
     for (salt, &len) in SIZES.iter().enumerate() {
         for dtype in DTYPES {
             for op in [ReduceOp::Sum, ReduceOp::Mean, ReduceOp::Max] {
-                let got = ctx("all_reduce", comm.all_reduce(&input(r, len, dtype, salt), op))?;
+                let got = ctx(
+                    "all_reduce",
+                    comm.all_reduce(&input(r, len, dtype, salt), op),
+                )?;
                 let want = reference_reduce(n, len, dtype, salt, op);
-                expect_eq(&format!("all_reduce {op:?} len {len} {dtype:?}"), &got, &want)?;
+                expect_eq(
+                    &format!("all_reduce {op:?} len {len} {dtype:?}"),
+                    &got,
+                    &want,
+                )?;
             }
         }
     }
@@ -158,12 +169,19 @@ pub fn all_gather(comm: &dyn Communicator) -> Check {
     cases.extend(SIZES.iter().map(|&s| (vec![s], 0)));
     for (salt, (dims, dim)) in cases.into_iter().enumerate() {
         for dtype in DTYPES {
-            let got = ctx("all_gather", comm.all_gather(&shaped(r, &dims, dtype, salt)?, dim))?;
+            let got = ctx(
+                "all_gather",
+                comm.all_gather(&shaped(r, &dims, dtype, salt)?, dim),
+            )?;
             let parts = (0..n)
                 .map(|q| shaped(q, &dims, dtype, salt))
                 .collect::<Result<Vec<_>, _>>()?;
             let want = Tensor::cat(&parts, dim).map_err(|e| e.to_string())?;
-            expect_eq(&format!("all_gather {dims:?} dim {dim} {dtype:?}"), &got, &want)?;
+            expect_eq(
+                &format!("all_gather {dims:?} dim {dim} {dtype:?}"),
+                &got,
+                &want,
+            )?;
         }
     }
     Ok(())
@@ -185,7 +203,11 @@ pub fn reduce_scatter(comm: &dyn Communicator) -> Check {
                     .reshape(dims.as_slice())
                     .and_then(|t| t.narrow(dim, r * piece, piece))
                     .map_err(|e| e.to_string())?;
-                expect_eq(&format!("reduce_scatter {dims:?} dim {dim} {op:?}"), &got, &want)?;
+                expect_eq(
+                    &format!("reduce_scatter {dims:?} dim {dim} {op:?}"),
+                    &got,
+                    &want,
+                )?;
             }
         }
     }
@@ -218,7 +240,10 @@ pub fn all_to_all(comm: &dyn Communicator) -> Check {
         .collect::<Result<Vec<_>, _>>()?;
     let got = ctx("all_to_all", comm.all_to_all(parts))?;
     if got.len() != n {
-        return Err(format!("all_to_all returned {} parts for {n} ranks", got.len()));
+        return Err(format!(
+            "all_to_all returned {} parts for {n} ranks",
+            got.len()
+        ));
     }
     for (s, g) in got.iter().enumerate() {
         expect_eq(
@@ -260,16 +285,27 @@ pub fn split(comm: &dyn Communicator) -> Check {
         ));
     }
     let t = Tensor::new(&[r as f32], &Device::Cpu).map_err(|e| e.to_string())?;
-    let got = ctx("all_reduce in a sub-group", sub.all_reduce(&t, ReduceOp::Sum))?;
+    let got = ctx(
+        "all_reduce in a sub-group",
+        sub.all_reduce(&t, ReduceOp::Sum),
+    )?;
     let want = mine.iter().sum::<usize>() as f32;
-    expect_eq("all_reduce in a sub-group", &got, &Tensor::new(&[want], &Device::Cpu).unwrap())?;
+    expect_eq(
+        "all_reduce in a sub-group",
+        &got,
+        &Tensor::new(&[want], &Device::Cpu).unwrap(),
+    )?;
     // Point-to-point inside the sub-group does not see the parent's messages.
     let m = sub.world_size();
     let (next, prev) = ((sub.rank() + 1) % m, (sub.rank() + m - 1) % m);
     ctx("send in a sub-group", sub.send(&t, next, 0))?;
     let got = ctx("recv in a sub-group", sub.recv(prev, 0))?;
     let from = mine[prev] as f32;
-    expect_eq("recv in a sub-group", &got, &Tensor::new(&[from], &Device::Cpu).unwrap())?;
+    expect_eq(
+        "recv in a sub-group",
+        &got,
+        &Tensor::new(&[from], &Device::Cpu).unwrap(),
+    )?;
     let single = ctx("split of a sub-group", sub.split(sub.rank(), 0))?;
     if single.world_size() != 1 {
         return Err("split into singletons gave a bigger group".into());
@@ -292,19 +328,47 @@ pub fn mesh(comm: &dyn Communicator) -> Check {
     let r = comm.rank();
     let c = shape.coord(r);
     let groups = [
-        ("tp", &mesh.tp, (0..shape.tp).map(|t| shape.rank(crate::MeshCoord { tp: t, ..c })).collect::<Vec<_>>()),
-        ("pp", &mesh.pp, (0..shape.pp).map(|p| shape.rank(crate::MeshCoord { pp: p, ..c })).collect()),
-        ("dp", &mesh.dp, (0..shape.dp).map(|d| shape.rank(crate::MeshCoord { dp: d, ..c })).collect()),
+        (
+            "tp",
+            &mesh.tp,
+            (0..shape.tp)
+                .map(|t| shape.rank(crate::MeshCoord { tp: t, ..c }))
+                .collect::<Vec<_>>(),
+        ),
+        (
+            "pp",
+            &mesh.pp,
+            (0..shape.pp)
+                .map(|p| shape.rank(crate::MeshCoord { pp: p, ..c }))
+                .collect(),
+        ),
+        (
+            "dp",
+            &mesh.dp,
+            (0..shape.dp)
+                .map(|d| shape.rank(crate::MeshCoord { dp: d, ..c }))
+                .collect(),
+        ),
     ];
     for (name, g, want) in groups {
         let want_global: Vec<usize> = want.iter().map(|&q| comm.members()[q]).collect();
         if g.members() != want_global {
-            return Err(format!("mesh {name} group of rank {r}: {:?}, want {want_global:?}", g.members()));
+            return Err(format!(
+                "mesh {name} group of rank {r}: {:?}, want {want_global:?}",
+                g.members()
+            ));
         }
         let t = Tensor::new(&[r as f64], &Device::Cpu).map_err(|e| e.to_string())?;
-        let got = ctx("all_reduce in a mesh group", g.all_reduce(&t, ReduceOp::Sum))?;
+        let got = ctx(
+            "all_reduce in a mesh group",
+            g.all_reduce(&t, ReduceOp::Sum),
+        )?;
         let s = want.iter().sum::<usize>() as f64;
-        expect_eq(&format!("mesh {name} all_reduce"), &got, &Tensor::new(&[s], &Device::Cpu).unwrap())?;
+        expect_eq(
+            &format!("mesh {name} all_reduce"),
+            &got,
+            &Tensor::new(&[s], &Device::Cpu).unwrap(),
+        )?;
     }
     Ok(())
 }
@@ -332,8 +396,16 @@ pub fn misuse(comm: &dyn Communicator) -> Check {
     let t = input(r, 4, DType::F32, 0);
     expect_err("send out of range", comm.send(&t, n, 0), "invalid")?;
     expect_err("recv out of range", comm.recv(n + 3, 0), "invalid")?;
-    expect_err("gather along a missing dim", comm.all_gather(&t, 1), "invalid")?;
-    expect_err("broadcast from a missing root", comm.broadcast(&t, n), "invalid")?;
+    expect_err(
+        "gather along a missing dim",
+        comm.all_gather(&t, 1),
+        "invalid",
+    )?;
+    expect_err(
+        "broadcast from a missing root",
+        comm.broadcast(&t, n),
+        "invalid",
+    )?;
     if n > 1 {
         let x = input(r, 3 * n + 1, DType::F32, 0);
         expect_err(
@@ -344,7 +416,11 @@ pub fn misuse(comm: &dyn Communicator) -> Check {
     }
     if n > 1 {
         let odd = input(r, if r == 0 { 3 } else { 4 }, DType::F32, 0);
-        expect_err("all_reduce of mismatched shapes", comm.all_reduce(&odd, ReduceOp::Sum), "mismatch")?;
+        expect_err(
+            "all_reduce of mismatched shapes",
+            comm.all_reduce(&odd, ReduceOp::Sum),
+            "mismatch",
+        )?;
         let dt = if r == 0 { DType::F64 } else { DType::F32 };
         expect_err(
             "all_reduce of mismatched dtypes",
@@ -354,6 +430,13 @@ pub fn misuse(comm: &dyn Communicator) -> Check {
         expect_err("split with duplicate keys", comm.split(0, 0), "mismatch")?;
     }
     // The group still works.
-    let got = ctx("all_reduce after misuse", comm.all_reduce(&t, ReduceOp::Sum))?;
-    expect_eq("all_reduce after misuse", &got, &reference_reduce(n, 4, DType::F32, 0, ReduceOp::Sum))
+    let got = ctx(
+        "all_reduce after misuse",
+        comm.all_reduce(&t, ReduceOp::Sum),
+    )?;
+    expect_eq(
+        "all_reduce after misuse",
+        &got,
+        &reference_reduce(n, 4, DType::F32, 0, ReduceOp::Sum),
+    )
 }

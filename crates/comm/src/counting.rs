@@ -16,7 +16,12 @@ pub struct Counts(Arc<Mutex<BTreeMap<&'static str, usize>>>);
 
 impl Counts {
     fn bump(&self, op: &'static str) {
-        *self.0.lock().unwrap_or_else(|e| e.into_inner()).entry(op).or_default() += 1;
+        *self
+            .0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(op)
+            .or_default() += 1;
     }
 
     /// How many times `op` was called.

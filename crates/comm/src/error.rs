@@ -28,7 +28,9 @@ impl fmt::Display for Peer {
 pub enum CommError {
     /// Another rank of the job failed (returned an error, panicked or timed out) and this
     /// operation was abandoned instead of waiting forever.
-    #[error("{op} on rank {rank} (waiting for {peer}) abandoned: rank {failed_rank} failed: {cause}")]
+    #[error(
+        "{op} on rank {rank} (waiting for {peer}) abandoned: rank {failed_rank} failed: {cause}"
+    )]
     PeerFailed {
         op: &'static str,
         rank: usize,

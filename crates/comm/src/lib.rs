@@ -64,8 +64,8 @@ pub mod mpi;
 mod reduce;
 pub mod threads;
 
-pub use error::{CommError, Peer, Result};
 pub use counting::{Counting, Counts};
+pub use error::{CommError, Peer, Result};
 pub use mesh::{Mesh, MeshCoord, MeshShape};
 
 /// A message tag. Messages between the same pair of ranks are matched by tag, so

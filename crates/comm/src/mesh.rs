@@ -135,9 +135,30 @@ mod tests {
     fn rank_order_is_tp_then_dp_then_pp() {
         let s = MeshShape::new(2, 2, 2);
         let coords: Vec<_> = (0..8).map(|r| s.coord(r)).collect();
-        assert_eq!(coords[1], MeshCoord { dp: 0, pp: 0, tp: 1 });
-        assert_eq!(coords[2], MeshCoord { dp: 1, pp: 0, tp: 0 });
-        assert_eq!(coords[4], MeshCoord { dp: 0, pp: 1, tp: 0 });
+        assert_eq!(
+            coords[1],
+            MeshCoord {
+                dp: 0,
+                pp: 0,
+                tp: 1
+            }
+        );
+        assert_eq!(
+            coords[2],
+            MeshCoord {
+                dp: 1,
+                pp: 0,
+                tp: 0
+            }
+        );
+        assert_eq!(
+            coords[4],
+            MeshCoord {
+                dp: 0,
+                pp: 1,
+                tp: 0
+            }
+        );
         for r in 0..8 {
             assert_eq!(s.rank(s.coord(r)), r);
         }

@@ -3,7 +3,8 @@
 use switchyard_comm::{conformance, local};
 
 fn run(n: usize) {
-    local::launch(n, |comm| conformance::run_all(&*comm)).unwrap_or_else(|e| panic!("world size {n}: {e}"));
+    local::launch(n, |comm| conformance::run_all(&*comm))
+        .unwrap_or_else(|e| panic!("world size {n}: {e}"));
 }
 
 #[test]

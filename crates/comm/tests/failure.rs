@@ -29,7 +29,9 @@ fn assert_others_failed<T: std::fmt::Debug>(
         if r == culprit {
             continue;
         }
-        let f = o.as_ref().expect_err("a surviving rank must fail, not succeed");
+        let f = o
+            .as_ref()
+            .expect_err("a surviving rank must fail, not succeed");
         let m = &f.message;
         assert!(m.contains(op), "rank {r}: {m}");
         assert!(m.contains(&format!("on rank {r}")), "rank {r}: {m}");
@@ -132,7 +134,10 @@ fn a_rank_that_never_arrives_times_out_everyone() {
     assert!(start.elapsed() < PROMPT, "took {:?}", start.elapsed());
     for r in [0, 1] {
         let m = &outcomes[r].as_ref().unwrap_err().message;
-        assert!(m.contains("all_reduce") && m.contains(&format!("on rank {r}")), "{m}");
+        assert!(
+            m.contains("all_reduce") && m.contains(&format!("on rank {r}")),
+            "{m}"
+        );
         assert!(m.contains("timed out"), "{m}");
     }
     assert!(outcomes[2].is_ok());
@@ -150,7 +155,10 @@ fn a_receive_from_a_silent_rank_times_out() {
             comm.recv(1, 0).map(|_| ())
         });
     let m = &outcomes[0].as_ref().unwrap_err().message;
-    assert!(m.contains("recv on rank 0 timed out") && m.contains("peer rank 1"), "{m}");
+    assert!(
+        m.contains("recv on rank 0 timed out") && m.contains("peer rank 1"),
+        "{m}"
+    );
 }
 
 #[test]
@@ -194,7 +202,10 @@ fn a_collective_a_peer_skipped_fails_when_it_returns() {
     });
     assert!(start.elapsed() < PROMPT, "took {:?}", start.elapsed());
     let m = &outcomes[0].as_ref().unwrap_err().message;
-    assert!(m.contains("barrier") && m.contains("returned without joining"), "{m}");
+    assert!(
+        m.contains("barrier") && m.contains("returned without joining"),
+        "{m}"
+    );
 }
 
 #[test]
@@ -214,14 +225,18 @@ fn p2p_is_zero_copy_and_detached() {
                 comm.send(&y, 1, 0)?;
                 let addr = comm.recv(1, 1)?.to_vec1::<f64>()?;
                 let (s, _) = y.storage_and_layout();
-                let candle_core::Storage::Cpu(c) = &*s else { unreachable!() };
+                let candle_core::Storage::Cpu(c) = &*s else {
+                    unreachable!()
+                };
                 let mine = c.as_slice::<f32>()?.as_ptr() as usize as f64;
                 assert_eq!(addr[0], mine, "the receiver saw another buffer");
             } else {
                 let got = comm.recv(0, 0)?;
                 assert!(!got.track_op(), "a received tensor must not carry a graph");
                 let (s, _) = got.storage_and_layout();
-                let candle_core::Storage::Cpu(c) = &*s else { unreachable!() };
+                let candle_core::Storage::Cpu(c) = &*s else {
+                    unreachable!()
+                };
                 let addr = c.as_slice::<f32>()?.as_ptr() as usize as f64;
                 drop(s);
                 comm.send(&Tensor::new(&[addr], &Device::Cpu)?, 0, 1)?;

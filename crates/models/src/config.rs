@@ -64,7 +64,12 @@ impl GptConfig {
     pub fn param_count(&self) -> usize {
         let d = self.d_model;
         let emb = self.vocab_size * d + self.block_size * d;
-        let head = 2 * d + if self.tied_embeddings { 0 } else { self.vocab_size * d };
+        let head = 2 * d
+            + if self.tied_embeddings {
+                0
+            } else {
+                self.vocab_size * d
+            };
         emb + self.n_layer * self.block_params() + head
     }
 
@@ -100,6 +105,9 @@ mod tests {
     fn heads_must_divide_the_width() {
         let mut c = GptConfig::tiny(2);
         c.n_head = 5;
-        assert!(c.validate().unwrap_err().contains("does not divide into 5 heads"));
+        assert!(c
+            .validate()
+            .unwrap_err()
+            .contains("does not divide into 5 heads"));
     }
 }

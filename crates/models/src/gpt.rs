@@ -12,8 +12,8 @@
 
 use candle_core::{DType, Module, Result, Tensor, Var};
 use switchyard_shard::{
-    vocab_parallel_cross_entropy, ColumnConfig, ColumnParallelLinear, Init, LayerInit,
-    ParallelMlp, ParallelSelfAttention, ParamStore, ShardSpec, TpGroup, VocabParallelEmbedding,
+    vocab_parallel_cross_entropy, ColumnConfig, ColumnParallelLinear, Init, LayerInit, ParallelMlp,
+    ParallelSelfAttention, ParamStore, ShardSpec, TpGroup, VocabParallelEmbedding,
 };
 
 use crate::{GptConfig, StagePlan};
@@ -86,7 +86,12 @@ impl GptStage {
     /// With tied embeddings, a last stage that does not also hold the embeddings gets
     /// its own copy of `transformer.wte.weight` (same name, same initial values); the
     /// trainer sums the gradients of the two copies so they stay equal.
-    pub fn new(cfg: &GptConfig, plan: &StagePlan, store: &ParamStore, tp: TpGroup) -> Result<GptStage> {
+    pub fn new(
+        cfg: &GptConfig,
+        plan: &StagePlan,
+        store: &ParamStore,
+        tp: TpGroup,
+    ) -> Result<GptStage> {
         cfg.validate().map_err(candle_core::Error::Msg)?;
         let vb = store.builder();
         let first_param = store.len();
@@ -100,7 +105,13 @@ impl GptStage {
         };
         let normal = Init::Normal { std: INIT_STD };
         let wte = |vb: &switchyard_shard::Builder| {
-            VocabParallelEmbedding::new(&vb.pp("transformer.wte"), tp.clone(), cfg.vocab_size, d, normal)
+            VocabParallelEmbedding::new(
+                &vb.pp("transformer.wte"),
+                tp.clone(),
+                cfg.vocab_size,
+                d,
+                normal,
+            )
         };
         let embed = match plan.embed {
             true => Some(Embeddings {

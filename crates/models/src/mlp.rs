@@ -25,7 +25,12 @@ pub struct MlpStage {
 
 impl MlpStage {
     /// Creates layers `plan.blocks` (named `layers.{i}.mlp.c_fc.weight`, …) in `store`.
-    pub fn new(cfg: &MlpConfig, plan: &StagePlan, store: &ParamStore, tp: TpGroup) -> Result<MlpStage> {
+    pub fn new(
+        cfg: &MlpConfig,
+        plan: &StagePlan,
+        store: &ParamStore,
+        tp: TpGroup,
+    ) -> Result<MlpStage> {
         let first = store.len();
         let init = LayerInit {
             weight: Init::Normal { std: 0.2 },

@@ -71,11 +71,19 @@ impl ReferenceGpt {
         let (b, t) = ids.dims2()?;
         let (d, nh) = (c.d_model, c.n_head);
         let hd = d / nh;
-        let tok = self.p("transformer.wte.weight")?.index_select(&ids.flatten_all()?, 0)?;
+        let tok = self
+            .p("transformer.wte.weight")?
+            .index_select(&ids.flatten_all()?, 0)?;
         let pos = self.p("transformer.wpe.weight")?.narrow(0, 0, t)?;
         let mut x = tok.reshape((b, t, d))?.broadcast_add(&pos)?;
         let mask: Vec<f32> = (0..t * t)
-            .map(|i| if i % t > i / t { f32::NEG_INFINITY } else { 0.0 })
+            .map(|i| {
+                if i % t > i / t {
+                    f32::NEG_INFINITY
+                } else {
+                    0.0
+                }
+            })
             .collect();
         let mask = Tensor::from_vec(mask, (t, t), &Device::Cpu)?.to_dtype(x.dtype())?;
         for l in 0..c.n_layer {
@@ -99,7 +107,11 @@ impl ReferenceGpt {
             let h = linear(&h, p("mlp.c_proj.weight")?, Some(p("mlp.c_proj.bias")?))?;
             x = (x + h)?;
         }
-        let x = layer_norm(&x, self.p("transformer.ln_f.weight")?, self.p("transformer.ln_f.bias")?)?;
+        let x = layer_norm(
+            &x,
+            self.p("transformer.ln_f.weight")?,
+            self.p("transformer.ln_f.bias")?,
+        )?;
         let head = if c.tied_embeddings {
             "transformer.wte.weight"
         } else {
@@ -113,14 +125,23 @@ impl ReferenceGpt {
         let logits = self.logits(ids)?;
         let lse = {
             let m = logits.max_keepdim(D::Minus1)?;
-            (logits.broadcast_sub(&m)?.exp()?.sum_keepdim(D::Minus1)?.log()? + m)?
+            (logits
+                .broadcast_sub(&m)?
+                .exp()?
+                .sum_keepdim(D::Minus1)?
+                .log()?
+                + m)?
         };
         let picked = logits.gather(&targets.flatten_all()?.unsqueeze(1)?, 1)?;
         (lse - picked)?.mean_all()
     }
 
     /// The loss and every parameter's gradient, by name, for one batch.
-    pub fn loss_and_grads(&self, ids: &Tensor, targets: &Tensor) -> Result<(f64, HashMap<String, Tensor>)> {
+    pub fn loss_and_grads(
+        &self,
+        ids: &Tensor,
+        targets: &Tensor,
+    ) -> Result<(f64, HashMap<String, Tensor>)> {
         let loss = self.loss(ids, targets)?;
         let grads = loss.backward()?;
         let mut out = HashMap::new();

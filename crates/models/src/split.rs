@@ -62,7 +62,9 @@ impl FromStr for SplitSpec {
                 .split(',')
                 .map(|c| {
                     c.trim().parse::<usize>().map_err(|_| {
-                        format!("bad split {s:?}: use `even`, `balanced` or layer counts such as `3,2`")
+                        format!(
+                            "bad split {s:?}: use `even`, `balanced` or layer counts such as `3,2`"
+                        )
                     })
                 })
                 .collect::<Result<Vec<_>, _>>()
@@ -232,7 +234,10 @@ mod tests {
                 assert!(p[0].embed && p[s - 1].head);
             }
         }
-        assert_eq!(counts(&plan_stages(5, 2, &SplitSpec::Even, &FLAT).unwrap()), [3, 2]);
+        assert_eq!(
+            counts(&plan_stages(5, 2, &SplitSpec::Even, &FLAT).unwrap()),
+            [3, 2]
+        );
     }
 
     #[test]
@@ -248,7 +253,10 @@ mod tests {
         let e = plan_stages(30, 4, &"7,7,7,7".parse().unwrap(), &FLAT).unwrap_err();
         assert!(e.contains("layers 28..30 would be dropped"), "{e}");
         let e = plan_stages(5, 2, &"3,3".parse().unwrap(), &FLAT).unwrap_err();
-        assert!(e.contains("asks for 6 layers but the model has only 5"), "{e}");
+        assert!(
+            e.contains("asks for 6 layers but the model has only 5"),
+            "{e}"
+        );
         let e = plan_stages(5, 2, &"5,0".parse().unwrap(), &FLAT).unwrap_err();
         assert!(e.contains("leaves stage 1 without layers"), "{e}");
         let e = plan_stages(5, 3, &"3,2".parse().unwrap(), &FLAT).unwrap_err();
@@ -258,7 +266,10 @@ mod tests {
     #[test]
     fn more_stages_than_layers_is_refused() {
         let e = plan_stages(3, 4, &SplitSpec::Even, &FLAT).unwrap_err();
-        assert!(e.contains("4 stages but the model has only 3 layers"), "{e}");
+        assert!(
+            e.contains("4 stages but the model has only 3 layers"),
+            "{e}"
+        );
     }
 
     #[test]

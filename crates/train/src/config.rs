@@ -3,7 +3,7 @@
 use serde::{Deserialize, Serialize};
 use switchyard_comm::MeshShape;
 use switchyard_models::{plan_stages, GptConfig, LayerCosts, SplitSpec};
-use switchyard_schedule::ScheduleKind;
+use switchyard_schedule::{generate, lower, validate, Program, ScheduleKind};
 
 /// Everything a run needs. `switchyard train` builds it from flags and `--config`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -13,7 +13,8 @@ pub struct TrainConfig {
     pub dp: usize,
     pub pp: usize,
     pub tp: usize,
-    /// `gpipe`, `1f1b`, `interleaved` or `zb-h1`.
+    /// `gpipe`, `1f1b`, `interleaved`, `zb-h1`, or the path of a CSV schedule
+    /// (one row per pipeline rank, e.g. `0,0F0,0F1,0B0,0B1`).
     pub schedule: String,
     /// Microbatches per step on each data-parallel replica.
     pub microbatches: usize,
@@ -51,7 +52,7 @@ impl Default for TrainConfig {
                 block_size: 64,
                 n_layer: 4,
                 n_head: 4,
-                d_model: 64,
+                d_model: 128,
                 tied_embeddings: false,
             },
             dp: 1,
@@ -88,10 +89,54 @@ impl TrainConfig {
         self.dp * self.pp * self.tp
     }
 
+    /// Whether the schedule is a CSV file rather than a generated kind.
+    pub fn schedule_is_csv(&self) -> bool {
+        self.schedule.ends_with(".csv")
+    }
+
+    /// The lowered, validated schedule program of one pipeline (all `pp` ranks).
+    pub fn program(&self) -> Result<Program, String> {
+        let program = if self.schedule_is_csv() {
+            let p = Program::load_csv(&self.schedule).map_err(|e| e.to_string())?;
+            let what = format!("the schedule {}", self.schedule);
+            if p.num_ranks() != self.pp {
+                return Err(format!(
+                    "{what} has {} ranks but --pp is {}",
+                    p.num_ranks(),
+                    self.pp
+                ));
+            }
+            if p.num_microbatches as usize != self.microbatches {
+                return Err(format!(
+                    "{what} has {} microbatches but --microbatches is {}",
+                    p.num_microbatches, self.microbatches
+                ));
+            }
+            if p.num_stages as usize != self.num_stages() {
+                return Err(format!(
+                    "{what} has {} stages on {} ranks: pass --virtual-stages {}",
+                    p.num_stages,
+                    self.pp,
+                    p.num_stages as usize / self.pp.max(1)
+                ));
+            }
+            p
+        } else {
+            generate(self.schedule_kind()?, self.pp, self.microbatches)
+                .map_err(|e| e.to_string())?
+        };
+        let program = match program.is_lowered() || program.num_ranks() == 1 {
+            true => program,
+            false => lower(&program).map_err(|e| e.to_string())?,
+        };
+        validate(&program).map_err(|e| format!("invalid schedule: {e}"))?;
+        Ok(program)
+    }
+
     /// The schedule kind, with the virtual stages for interleaving.
     pub fn schedule_kind(&self) -> Result<ScheduleKind, String> {
         let v = (self.schedule == "interleaved").then_some(self.virtual_stages);
-        if self.schedule != "interleaved" && self.virtual_stages != 1 {
+        if self.schedule != "interleaved" && !self.schedule_is_csv() && self.virtual_stages != 1 {
             return Err(format!(
                 "--virtual-stages {} only applies to the interleaved schedule, not {}",
                 self.virtual_stages, self.schedule
@@ -147,10 +192,9 @@ impl TrainConfig {
         if self.virtual_stages == 0 {
             return Err("--virtual-stages must be at least 1".into());
         }
-        let kind = self.schedule_kind()?;
         // The schedule generator knows its own constraints (interleaving needs a multiple
         // of pp microbatches); ask it now rather than inside a worker.
-        switchyard_schedule::generate(kind, self.pp, self.microbatches).map_err(|e| e.to_string())?;
+        self.program()?;
         let costs = LayerCosts {
             embed: 0.0,
             block: 1.0,
@@ -163,13 +207,14 @@ impl TrainConfig {
                 self.seq_len, m.block_size
             ));
         }
-        if !(self.lr > 0.0) || self.min_lr < 0.0 || self.min_lr > self.lr {
+        let positive = |x: f64| x.is_finite() && x > 0.0;
+        if !positive(self.lr) || self.min_lr < 0.0 || self.min_lr > self.lr {
             return Err(format!(
                 "the learning rate must be positive and at least --min-lr (lr {}, min-lr {})",
                 self.lr, self.min_lr
             ));
         }
-        if self.grad_clip < 0.0 || !(self.bucket_mib > 0.0) || !(self.comm_timeout_secs > 0.0) {
+        if self.grad_clip < 0.0 || !positive(self.bucket_mib) || !positive(self.comm_timeout_secs) {
             return Err("--grad-clip must be ≥ 0, the bucket size and the timeout > 0".into());
         }
         Ok(())

@@ -38,7 +38,8 @@ impl Corpus {
     }
 
     pub fn from_file(path: &Path) -> std::result::Result<Corpus, String> {
-        let bytes = std::fs::read(path).map_err(|e| format!("cannot read --data {}: {e}", path.display()))?;
+        let bytes = std::fs::read(path)
+            .map_err(|e| format!("cannot read --data {}: {e}", path.display()))?;
         Ok(Corpus::from_bytes(path.display().to_string(), bytes))
     }
 
@@ -101,7 +102,11 @@ impl Corpus {
     /// The evaluation windows: consecutive, non-overlapping windows of `seq_len + 1`
     /// bytes from byte 0; window `k` is bytes `[k(L+1), (k+1)(L+1))`, its inputs the first
     /// `L` bytes and its targets the last `L`. At most `max_windows` (all if `None`).
-    pub fn eval_windows(&self, seq_len: usize, max_windows: Option<usize>) -> Vec<(Vec<u32>, Vec<u32>)> {
+    pub fn eval_windows(
+        &self,
+        seq_len: usize,
+        max_windows: Option<usize>,
+    ) -> Vec<(Vec<u32>, Vec<u32>)> {
         let w = seq_len + 1;
         let n = (self.len() / w).min(max_windows.unwrap_or(usize::MAX));
         (0..n)

@@ -118,20 +118,26 @@ impl AdamW {
         let c = self.config;
         let bc1 = 1.0 - c.beta1.powi(self.t as i32);
         let bc2 = 1.0 - c.beta2.powi(self.t as i32);
-        for i in 0..self.params.len() {
-            let Some(g) = &grads[i] else { continue };
+        let items = self
+            .params
+            .iter()
+            .zip(&self.decay)
+            .zip(&mut self.moments)
+            .zip(grads);
+        for (((param, &decay), moments), g) in items {
+            let Some(g) = g else { continue };
             let g = g.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
-            let wd = if self.decay[i] { c.weight_decay } else { 0.0 };
+            let wd = if decay { c.weight_decay } else { 0.0 };
             let op = Update {
                 g: &g,
-                mom: std::cell::RefCell::new(&mut self.moments[i]),
+                mom: std::cell::RefCell::new(moments),
                 lr,
                 wd,
                 c,
                 bc1,
                 bc2,
             };
-            self.params[i].as_tensor().inplace_op1(&op)?;
+            param.as_tensor().inplace_op1(&op)?;
         }
         Ok(())
     }

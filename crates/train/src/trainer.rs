@@ -81,7 +81,10 @@ impl TrainReport {
             first,
             self.final_loss()
         );
-        s += &format!("throughput: {:.0} tokens/s (median step)\n", self.tokens_per_s);
+        s += &format!(
+            "throughput: {:.0} tokens/s (median step)\n",
+            self.tokens_per_s
+        );
         if cfg.pp > 1 {
             s += "pipeline   bubble measured   bubble predicted   peak activations (measured / predicted)\n";
             for p in &self.pipeline {
@@ -115,10 +118,16 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 /// Trains `cfg` on `corpus` with the in-process backend, one thread per rank.
 /// Every configuration error is reported before any worker starts.
-pub fn train(cfg: &TrainConfig, corpus: &Corpus, opts: &TrainOptions) -> anyhow::Result<TrainReport> {
-    cfg.validate().map_err(|e| anyhow!("invalid configuration: {e}"))?;
+pub fn train(
+    cfg: &TrainConfig,
+    corpus: &Corpus,
+    opts: &TrainOptions,
+) -> anyhow::Result<TrainReport> {
+    cfg.validate()
+        .map_err(|e| anyhow!("invalid configuration: {e}"))?;
     corpus.check(cfg.seq_len).map_err(anyhow::Error::msg)?;
-    let mut launcher = Launcher::new(cfg.world_size()).timeout(Duration::from_secs_f64(cfg.comm_timeout_secs));
+    let mut launcher =
+        Launcher::new(cfg.world_size()).timeout(Duration::from_secs_f64(cfg.comm_timeout_secs));
     if cfg.threads_per_worker > 0 {
         launcher = launcher.threads_per_worker(cfg.threads_per_worker);
     }
@@ -128,13 +137,16 @@ pub fn train(cfg: &TrainConfig, corpus: &Corpus, opts: &TrainOptions) -> anyhow:
         .run(|world| run_rank(world, cfg, corpus, opts, &sink, epoch))
         .map_err(|e| anyhow!("{e}"))?;
     sink.finish();
-    let kind = cfg.schedule_kind().map_err(anyhow::Error::msg)?;
-    let program = switchyard_schedule::generate(kind, cfg.pp, cfg.microbatches)?;
+    let program = cfg.program().map_err(anyhow::Error::msg)?;
     let predicted = simulate(&program, &Costs::default())?;
     let mesh = cfg.mesh();
     let mut pipeline = Vec::new();
     for pp_rank in 0..cfg.pp {
-        let r = mesh.rank(switchyard_comm::MeshCoord { dp: 0, pp: pp_rank, tp: 0 });
+        let r = mesh.rank(switchyard_comm::MeshCoord {
+            dp: 0,
+            pp: pp_rank,
+            tp: 0,
+        });
         let steps = &outcomes[r].steps;
         let bubbles = steps
             .iter()
@@ -145,7 +157,11 @@ pub fn train(cfg: &TrainConfig, corpus: &Corpus, opts: &TrainOptions) -> anyhow:
             pp_rank,
             bubble_measured: median(bubbles),
             bubble_predicted: predicted.ranks[pp_rank].bubble_fraction,
-            peak_activations: steps.iter().map(|s| s.exec.peak_activations).max().unwrap_or(0),
+            peak_activations: steps
+                .iter()
+                .map(|s| s.exec.peak_activations)
+                .max()
+                .unwrap_or(0),
             peak_activations_predicted: predicted.ranks[pp_rank].peak_activations,
         });
     }
@@ -164,7 +180,13 @@ pub fn train(cfg: &TrainConfig, corpus: &Corpus, opts: &TrainOptions) -> anyhow:
             .with_context(|| format!("cannot write the trace {}", path.display()))?;
     }
     let steps: Vec<StepRecord> = outcomes[0].steps.iter().map(|m| record(cfg, m)).collect();
-    let tokens_per_s = median(steps.iter().skip(usize::from(steps.len() > 1)).map(|s| s.tokens_per_s).collect());
+    let tokens_per_s = median(
+        steps
+            .iter()
+            .skip(usize::from(steps.len() > 1))
+            .map(|s| s.tokens_per_s)
+            .collect(),
+    );
     Ok(TrainReport {
         steps,
         tokens_per_s,
@@ -243,7 +265,10 @@ struct Sink {
 impl Sink {
     fn open(opts: &TrainOptions, cfg: &TrainConfig) -> anyhow::Result<Sink> {
         let metrics = match &opts.metrics {
-            Some(p) => Some(std::fs::File::create(p).with_context(|| format!("cannot create --metrics {}", p.display()))?),
+            Some(p) => Some(
+                std::fs::File::create(p)
+                    .with_context(|| format!("cannot create --metrics {}", p.display()))?,
+            ),
             None => None,
         };
         Ok(Sink {
@@ -256,7 +281,12 @@ impl Sink {
     }
 
     fn step(&self, r: &StepRecord) {
-        if let Some(f) = self.metrics.lock().unwrap_or_else(|e| e.into_inner()).as_mut() {
+        if let Some(f) = self
+            .metrics
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_mut()
+        {
             let _ = writeln!(f, "{}", serde_json::to_string(r).unwrap_or_default());
         }
         if !self.progress {
@@ -272,7 +302,11 @@ impl Sink {
         if self.tty {
             let width = 24;
             let filled = width * done / self.steps.max(1);
-            eprint!("\r[{}{}] {line}", "#".repeat(filled), ".".repeat(width - filled));
+            eprint!(
+                "\r[{}{}] {line}",
+                "#".repeat(filled),
+                ".".repeat(width - filled)
+            );
             if done == self.steps {
                 eprintln!();
             }
@@ -282,7 +316,12 @@ impl Sink {
     }
 
     fn finish(&self) {
-        if let Some(f) = self.metrics.lock().unwrap_or_else(|e| e.into_inner()).as_mut() {
+        if let Some(f) = self
+            .metrics
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_mut()
+        {
             let _ = f.flush();
         }
     }

@@ -21,7 +21,7 @@ use candle_core::{DType, Device, Module, Result, Tensor, TensorId, Var};
 use switchyard_comm::{Communicator, Mesh, ReduceOp};
 use switchyard_models::{gpt_layer_costs, plan_stages, GptStage};
 use switchyard_pipeline::{Executor, Microbatches, Stage, StepStats};
-use switchyard_schedule::{generate, lower, Program};
+use switchyard_schedule::Program;
 use switchyard_shard::{gather_full_tensor, Param, ParamSource, ParamStore, ShardSpec};
 
 use crate::data::Corpus;
@@ -99,8 +99,7 @@ impl Worker {
     ) -> anyhow::Result<Worker> {
         cfg.validate().map_err(anyhow::Error::msg)?;
         let mesh = Mesh::new(world.clone(), cfg.mesh())?;
-        let kind = cfg.schedule_kind().map_err(anyhow::Error::msg)?;
-        let program = lower(&generate(kind, cfg.pp, cfg.microbatches)?)?;
+        let program = cfg.program().map_err(anyhow::Error::msg)?;
         let plans = plan_stages(
             cfg.model.n_layer,
             cfg.num_stages(),
@@ -115,7 +114,11 @@ impl Worker {
             stages.push((s, gpt));
         }
         let params = store.params();
-        let index = params.iter().enumerate().map(|(i, p)| (p.var.id(), i)).collect();
+        let index = params
+            .iter()
+            .enumerate()
+            .map(|(i, p)| (p.var.id(), i))
+            .collect();
         let last = program.num_stages - 1;
         let head_elsewhere = program.rank_of_stage(0) != program.rank_of_stage(last);
         let wte = "transformer.wte.weight";
@@ -195,14 +198,22 @@ impl Worker {
         let (m, mbs) = (c.microbatches, c.microbatch_size());
         let per_replica = c.batch / c.dp;
         let first = self.mesh.coord.dp * per_replica;
-        let (x, y) = self.corpus.batch(c.seed, step, first..first + per_replica, c.seq_len)?;
-        let inputs = (0..m).map(|i| x.narrow(0, i * mbs, mbs)).collect::<Result<Vec<_>>>()?;
-        let targets = (0..m).map(|i| y.narrow(0, i * mbs, mbs)).collect::<Result<Vec<_>>>()?;
+        let (x, y) = self
+            .corpus
+            .batch(c.seed, step, first..first + per_replica, c.seq_len)?;
+        let inputs = (0..m)
+            .map(|i| x.narrow(0, i * mbs, mbs))
+            .collect::<Result<Vec<_>>>()?;
+        let targets = (0..m)
+            .map(|i| y.narrow(0, i * mbs, mbs))
+            .collect::<Result<Vec<_>>>()?;
         let last = self.program.num_stages - 1;
         let head = self.stages.iter().find(|(s, _)| *s == last).map(|(_, g)| g);
         let loss = |out: &Tensor, mb: usize| match head {
             Some(h) => h.loss(out, &targets[mb]),
-            None => candle_core::bail!("the loss runs on the last stage, which is not on this rank"),
+            None => {
+                candle_core::bail!("the loss runs on the last stage, which is not on this rank")
+            }
         };
         let wrapped: Vec<PipelineStage> = self
             .stages
@@ -272,7 +283,9 @@ impl Worker {
         while start < grads.len() {
             let mut end = start;
             let mut elems = 0;
-            while end < grads.len() && (end == start || elems + grads[end].as_ref().unwrap().elem_count() <= limit) {
+            while end < grads.len()
+                && (end == start || elems + grads[end].as_ref().unwrap().elem_count() <= limit)
+            {
                 elems += grads[end].as_ref().unwrap().elem_count();
                 end += 1;
             }
@@ -280,7 +293,10 @@ impl Worker {
                 .iter()
                 .map(|g| g.as_ref().unwrap().flatten_all())
                 .collect::<Result<_>>()?;
-            let summed = self.mesh.dp.all_reduce(&Tensor::cat(&flat, 0)?, ReduceOp::Sum)?;
+            let summed = self
+                .mesh
+                .dp
+                .all_reduce(&Tensor::cat(&flat, 0)?, ReduceOp::Sum)?;
             let mut off = 0;
             for g in &mut grads[start..end] {
                 let t = g.as_ref().unwrap();
@@ -294,7 +310,10 @@ impl Worker {
     }
 
     /// One full training step (see the module docs). Collective over the world.
-    pub fn step(&mut self, step: usize) -> anyhow::Result<std::result::Result<StepMetrics, NonFinite>> {
+    pub fn step(
+        &mut self,
+        step: usize,
+    ) -> anyhow::Result<std::result::Result<StepMetrics, NonFinite>> {
         let t0 = Instant::now();
         let (mut grads, losses, exec) = self.compute_grads(step)?;
         self.sync_grads(&mut grads)?;
@@ -310,11 +329,19 @@ impl Worker {
             }
         }
         let reports_loss = self.mesh.coord.tp == 0 && !losses.is_empty();
-        let loss_sum: f64 = if reports_loss { losses.iter().sum() } else { 0.0 };
+        let loss_sum: f64 = if reports_loss {
+            losses.iter().sum()
+        } else {
+            0.0
+        };
         let bad_loss = losses.iter().any(|l| !l.is_finite());
         let mine = [
             loss_sum,
-            if reports_loss { losses.len() as f64 } else { 0.0 },
+            if reports_loss {
+                losses.len() as f64
+            } else {
+                0.0
+            },
             if sq_owned.is_finite() { sq_owned } else { 0.0 },
             f64::from(u8::from(bad_loss)),
             f64::from(u8::from(bad_grad.is_some())),
@@ -325,10 +352,15 @@ impl Worker {
             .all_gather(&Tensor::new(&mine, &Device::Cpu)?, 0)?
             .to_vec1::<f64>()?;
         let rows: Vec<&[f64]> = all.chunks(5).collect();
-        if let Some(r) = rows.iter().position(|x| x[3] != 0.0 || x[4] != 0.0) {
+        // A loss goes bad in the forward pass, before any gradient: report it first.
+        let bad_loss_rank = rows.iter().position(|x| x[3] != 0.0);
+        if let Some(r) = bad_loss_rank.or_else(|| rows.iter().position(|x| x[4] != 0.0)) {
             let me = self.mesh.world.rank();
-            let detail = (r == me).then(|| match (&bad_grad, bad_loss) {
-                (_, true) => format!("the loss of a microbatch is {}", losses.iter().find(|l| !l.is_finite()).unwrap()),
+            let detail = (r == me).then(|| match (&bad_grad, bad_loss_rank == Some(me)) {
+                (_, true) => format!(
+                    "the loss of a microbatch is {}",
+                    losses.iter().find(|l| !l.is_finite()).unwrap()
+                ),
                 (Some(name), false) => format!("the gradient of {name} is not finite"),
                 (None, false) => "non-finite values".into(),
             });

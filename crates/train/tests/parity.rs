@@ -47,9 +47,14 @@ fn one_step_loss_and_gradients_match_the_reference() {
 #[test]
 fn twenty_step_loss_curves_match_the_reference() {
     // The global batch grows with dp: one reference curve per batch size.
-    let curves: Vec<Vec<f64>> = (1..=2).map(|dp| reference_curve(&tiny(dp, 1, 1, "1f1b"))).collect();
+    let curves: Vec<Vec<f64>> = (1..=2)
+        .map(|dp| reference_curve(&tiny(dp, 1, 1, "1f1b")))
+        .collect();
     for want in &curves {
-        assert!(want[19] < want[0] - 0.5, "the reference must actually learn: {want:?}");
+        assert!(
+            want[19] < want[0] - 0.5,
+            "the reference must actually learn: {want:?}"
+        );
     }
     for (dp, pp, tp) in LAYOUTS {
         let want = &curves[dp - 1];
@@ -82,7 +87,12 @@ fn an_uneven_split_matches() {
 
 #[test]
 fn tied_embeddings_across_stages_match() {
-    for (dp, pp, tp, s) in [(1, 2, 1, "1f1b"), (1, 2, 2, "interleaved"), (2, 4, 1, "gpipe"), (1, 1, 2, "1f1b")] {
+    for (dp, pp, tp, s) in [
+        (1, 2, 1, "1f1b"),
+        (1, 2, 2, "interleaved"),
+        (2, 4, 1, "gpipe"),
+        (1, 1, 2, "1f1b"),
+    ] {
         let mut cfg = tiny(dp, pp, tp, s);
         cfg.model.tied_embeddings = true;
         assert_step_parity(&cfg, 1e-5);

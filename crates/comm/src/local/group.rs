@@ -157,9 +157,8 @@ impl Group {
                     drop(st);
                     return Err(world.peer_failed(op, global, peer()));
                 }
-                let missing = (0..n).find(|&i| {
-                    st.slots[p][i].gen != my_gen || st.slots[p][i].op.is_empty()
-                });
+                let missing =
+                    (0..n).find(|&i| st.slots[p][i].gen != my_gen || st.slots[p][i].op.is_empty());
                 if let Some(i) = missing.filter(|&i| world.has_exited(self.members[i])) {
                     drop(st);
                     return Err(CommError::PeerFailed {

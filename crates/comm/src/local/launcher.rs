@@ -55,7 +55,11 @@ impl fmt::Display for LaunchError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}", self.first)?;
         if !self.others.is_empty() {
-            write!(f, " ({} other rank(s) stopped as a result)", self.others.len())?;
+            write!(
+                f,
+                " ({} other rank(s) stopped as a result)",
+                self.others.len()
+            )?;
         }
         Ok(())
     }
@@ -390,7 +394,11 @@ fn panic_message(p: &(dyn Any + Send)) -> String {
 pub fn solo() -> Arc<dyn Communicator> {
     let world = Arc::new(World::new(1, Launcher::DEFAULT_TIMEOUT));
     let group = world.new_group("solo".into(), vec![0]);
-    Arc::new(LocalComm { world, group, me: 0 })
+    Arc::new(LocalComm {
+        world,
+        group,
+        me: 0,
+    })
 }
 
 /// Runs every rank of a job on its own thread: see [`Launcher`].
@@ -453,7 +461,10 @@ impl LocalComm {
         if dim >= t.rank() {
             return Err(self.invalid(
                 op,
-                format!("dim {dim} does not exist in a tensor of shape {:?}", t.dims()),
+                format!(
+                    "dim {dim} does not exist in a tensor of shape {:?}",
+                    t.dims()
+                ),
             ));
         }
         Ok(())
@@ -484,13 +495,15 @@ impl LocalComm {
         dtype: candle_core::DType,
         fill: impl FnOnce(&[Deposit], crate::reduce::RawOut) -> std::result::Result<(), String>,
     ) -> Result<Tensor> {
-        let (shared, deps) = self.group.rendezvous(&self.world, self.me, dep, |st, deps| {
-            agree(deps)?;
-            let out = OutBuf::new(dtype, shape)?;
-            let raw = out.raw();
-            st.out = Some(out);
-            Ok(Shared::Buf(raw))
-        })?;
+        let (shared, deps) = self
+            .group
+            .rendezvous(&self.world, self.me, dep, |st, deps| {
+                agree(deps)?;
+                let out = OutBuf::new(dtype, shape)?;
+                let raw = out.raw();
+                st.out = Some(out);
+                Ok(Shared::Buf(raw))
+            })?;
         let Shared::Buf(raw) = shared else {
             unreachable!("rendezvous 1 shares a buffer")
         };
@@ -581,7 +594,8 @@ impl Communicator for LocalComm {
         const OP: &str = "all_reduce";
         let x = self.contiguous(OP, t)?;
         if self.n() == 1 {
-            self.world.check(OP, self.global(), Peer::Group(self.group.describe()))?;
+            self.world
+                .check(OP, self.global(), Peer::Group(self.group.describe()))?;
             return Ok(x);
         }
         let (n, me, dtype) = (self.n(), self.me, x.dtype());
@@ -604,7 +618,8 @@ impl Communicator for LocalComm {
         self.check_dim(OP, t, dim)?;
         let x = self.contiguous(OP, t)?;
         if self.n() == 1 {
-            self.world.check(OP, self.global(), Peer::Group(self.group.describe()))?;
+            self.world
+                .check(OP, self.global(), Peer::Group(self.group.describe()))?;
             return Ok(x);
         }
         let (n, me, dtype) = (self.n(), self.me, x.dtype());
@@ -639,7 +654,8 @@ impl Communicator for LocalComm {
         }
         let x = self.contiguous(OP, t)?;
         if n == 1 {
-            self.world.check(OP, self.global(), Peer::Group(self.group.describe()))?;
+            self.world
+                .check(OP, self.global(), Peer::Group(self.group.describe()))?;
             return Ok(x);
         }
         let (me, dtype) = (self.me, x.dtype());
@@ -650,7 +666,9 @@ impl Communicator for LocalComm {
         dep.tensor = Some(x.clone());
         let (_, deps) = self
             .group
-            .rendezvous(&self.world, self.me, dep, |_, deps| agree(deps).map(|_| Shared::None))?;
+            .rendezvous(&self.world, self.me, dep, |_, deps| {
+                agree(deps).map(|_| Shared::None)
+            })?;
         let mut out_dims = x.dims().to_vec();
         out_dims[dim] /= n;
         let (outer, inner) = outer_inner(x.dims(), dim);
@@ -676,7 +694,8 @@ impl Communicator for LocalComm {
         const OP: &str = "broadcast";
         self.check_peer(OP, root)?;
         if self.n() == 1 {
-            self.world.check(OP, self.global(), Peer::Group(self.group.describe()))?;
+            self.world
+                .check(OP, self.global(), Peer::Group(self.group.describe()))?;
             return Ok(t.detach());
         }
         let mut dep = self.deposit(OP, format!("root {root}"));
@@ -685,8 +704,13 @@ impl Communicator for LocalComm {
         }
         let (_, deps) = self
             .group
-            .rendezvous(&self.world, self.me, dep, |_, deps| agree(deps).map(|_| Shared::None))?;
-        Ok(deps[root].tensor.clone().expect("the root deposited its tensor"))
+            .rendezvous(&self.world, self.me, dep, |_, deps| {
+                agree(deps).map(|_| Shared::None)
+            })?;
+        Ok(deps[root]
+            .tensor
+            .clone()
+            .expect("the root deposited its tensor"))
     }
 
     fn all_to_all(&self, parts: Vec<Tensor>) -> Result<Vec<Tensor>> {
@@ -706,14 +730,18 @@ impl Communicator for LocalComm {
         dep.parts = parts;
         let (_, deps) = self
             .group
-            .rendezvous(&self.world, self.me, dep, |_, deps| agree(deps).map(|_| Shared::None))?;
+            .rendezvous(&self.world, self.me, dep, |_, deps| {
+                agree(deps).map(|_| Shared::None)
+            })?;
         Ok(deps.iter().map(|d| d.parts[self.me].clone()).collect())
     }
 
     fn barrier(&self) -> Result<()> {
         let dep = self.deposit("barrier", String::new());
         self.group
-            .rendezvous(&self.world, self.me, dep, |_, deps| agree(deps).map(|_| Shared::None))?;
+            .rendezvous(&self.world, self.me, dep, |_, deps| {
+                agree(deps).map(|_| Shared::None)
+            })?;
         Ok(())
     }
 
@@ -724,26 +752,31 @@ impl Communicator for LocalComm {
         let members = &self.group.members;
         let world = &self.world;
         let name = name.to_string();
-        let (shared, _) = self.group.rendezvous(&self.world, self.me, dep, |_, deps| {
-            agree(deps)?;
-            let mut by_color: HashMap<usize, Vec<(usize, usize)>> = HashMap::new();
-            for (r, d) in deps.iter().enumerate() {
-                by_color.entry(d.color_key.0).or_default().push((d.color_key.1, r));
-            }
-            let mut groups = HashMap::new();
-            for (c, mut ranks) in by_color {
-                ranks.sort();
-                if let Some(w) = ranks.windows(2).find(|w| w[0].0 == w[1].0) {
-                    return Err(format!(
-                        "ranks {} and {} both asked for key {} in colour {c}",
-                        w[0].1, w[1].1, w[0].0
-                    ));
+        let (shared, _) = self
+            .group
+            .rendezvous(&self.world, self.me, dep, |_, deps| {
+                agree(deps)?;
+                let mut by_color: HashMap<usize, Vec<(usize, usize)>> = HashMap::new();
+                for (r, d) in deps.iter().enumerate() {
+                    by_color
+                        .entry(d.color_key.0)
+                        .or_default()
+                        .push((d.color_key.1, r));
                 }
-                let globals = ranks.iter().map(|&(_, r)| members[r]).collect();
-                groups.insert(c, world.new_group(name.clone(), globals));
-            }
-            Ok(Shared::Groups(Arc::new(groups)))
-        })?;
+                let mut groups = HashMap::new();
+                for (c, mut ranks) in by_color {
+                    ranks.sort();
+                    if let Some(w) = ranks.windows(2).find(|w| w[0].0 == w[1].0) {
+                        return Err(format!(
+                            "ranks {} and {} both asked for key {} in colour {c}",
+                            w[0].1, w[1].1, w[0].0
+                        ));
+                    }
+                    let globals = ranks.iter().map(|&(_, r)| members[r]).collect();
+                    groups.insert(c, world.new_group(name.clone(), globals));
+                }
+                Ok(Shared::Groups(Arc::new(groups)))
+            })?;
         let Shared::Groups(groups) = shared else {
             unreachable!("split shares groups")
         };

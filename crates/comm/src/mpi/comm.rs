@@ -17,7 +17,8 @@ use crate::{CommError, Communicator, Peer, ReduceOp, Result, Tag};
 /// A send in flight: MPI reads `buf` until `req` completes.
 struct PendingSend {
     req: Handle<ffi::MPI_Request>,
-    buf: Vec<u64>,
+    /// Only kept alive: MPI reads it until `req` completes.
+    _buf: Vec<u64>,
 }
 
 pub(super) struct MpiComm {
@@ -42,9 +43,8 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 /// An element or word count as MPI's `int`.
 pub(super) fn count(n: usize) -> std::result::Result<c_int, String> {
-    c_int::try_from(n).map_err(|_| {
-        format!("{n} elements exceed MPI's count limit of {}", c_int::MAX)
-    })
+    c_int::try_from(n)
+        .map_err(|_| format!("{n} elements exceed MPI's count limit of {}", c_int::MAX))
 }
 
 /// Starts MPI (once) and returns a handle on the world.
@@ -132,7 +132,10 @@ impl MpiComm {
         if dim >= t.rank() {
             return Err(self.invalid(
                 op,
-                format!("dim {dim} does not exist in a tensor of shape {:?}", t.dims()),
+                format!(
+                    "dim {dim} does not exist in a tensor of shape {:?}",
+                    t.dims()
+                ),
             ));
         }
         Ok(())
@@ -331,7 +334,7 @@ impl Communicator for MpiComm {
         })?;
         lock(&self.sends).push(PendingSend {
             req: Handle(req),
-            buf,
+            _buf: buf,
         });
         self.reap()
     }
@@ -355,7 +358,10 @@ impl Communicator for MpiComm {
                     Ok(true)
                 }
                 Ok(Some((full, t))) => {
-                    lock(&self.stash).entry((src, full)).or_default().push_back(t);
+                    lock(&self.stash)
+                        .entry((src, full))
+                        .or_default()
+                        .push_back(t);
                     Ok(false)
                 }
                 Ok(None) => Ok(false),

@@ -75,6 +75,8 @@ impl Runtime {
             rank: crate::mpi::launcher_rank().unwrap_or(0),
             reason,
         };
+        let timeout = super::timeout_from_env(crate::mpi::launcher_rank().unwrap_or(0))?
+            .unwrap_or(config.timeout);
         if environment::is_finalized() {
             return Err(backend(
                 "MPI was finalised when the last communicator was dropped; it cannot be \
@@ -98,7 +100,6 @@ impl Runtime {
         let tag_ub = query_tag_ub(world.0);
         let world_rank = rank as usize;
         WORLD_RANK.store(world_rank, Ordering::Release);
-        let timeout = super::timeout_from_env(world_rank)?.unwrap_or(config.timeout);
         let rt = Arc::new(Runtime {
             universe: Mutex::new(Some(universe)),
             timeout,
@@ -143,7 +144,7 @@ impl Runtime {
     pub fn fail(&self, err: &CommError) {
         let mut f = lock(&self.failure);
         if f.is_none() {
-            *f = Some((self.world_rank, format!("rank {} failed: {err}", self.world_rank)));
+            *f = Some((self.world_rank, err.to_string()));
         }
     }
 

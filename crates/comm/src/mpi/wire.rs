@@ -190,7 +190,10 @@ impl Desc {
         let shape = format!("shape {:?}", self.dims.as_deref().unwrap_or(&[]));
         let dtype = self.dtype.map(|d| format!("{d:?}")).unwrap_or_default();
         let args = match self.op {
-            Op::AllReduce => format!("{shape}, {dtype}, {:?}", self.reduce.unwrap_or(ReduceOp::Sum)),
+            Op::AllReduce => format!(
+                "{shape}, {dtype}, {:?}",
+                self.reduce.unwrap_or(ReduceOp::Sum)
+            ),
             Op::AllGather => format!("{shape}, {dtype}, dim {}", self.dim.unwrap_or(0)),
             Op::ReduceScatter => format!(
                 "{shape}, {dtype}, dim {}, {:?}",
@@ -325,7 +328,10 @@ mod tests {
             root: Some(3),
             ..Desc::of(Op::Broadcast, &t)
         };
-        assert_eq!(Desc::decode(&b.encode().unwrap()).unwrap().call(), "broadcast(root 3)");
+        assert_eq!(
+            Desc::decode(&b.encode().unwrap()).unwrap().call(),
+            "broadcast(root 3)"
+        );
         let s = Desc {
             color_key: (7, 2),
             ..Desc::new(Op::Split)
@@ -341,11 +347,19 @@ mod tests {
                     .and_then(|t| t.to_dtype(dtype))
                     .and_then(|t| t.reshape((1, len)))
                     .unwrap();
-                let (tag, back) = decode_message(&encode_message(u64::MAX - 1, &t).unwrap()).unwrap();
+                let (tag, back) =
+                    decode_message(&encode_message(u64::MAX - 1, &t).unwrap()).unwrap();
                 assert_eq!(tag, u64::MAX - 1);
                 assert_eq!(back.dims(), t.dims());
                 assert_eq!(back.dtype(), dtype);
-                let v = |t: &Tensor| t.to_dtype(DType::F64).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap();
+                let v = |t: &Tensor| {
+                    t.to_dtype(DType::F64)
+                        .unwrap()
+                        .flatten_all()
+                        .unwrap()
+                        .to_vec1::<f64>()
+                        .unwrap()
+                };
                 assert_eq!(v(&back), v(&t));
             }
         }
@@ -356,6 +370,9 @@ mod tests {
         let t = Tensor::zeros(vec![1usize; MAX_DIMS + 1], DType::F32, &Device::Cpu).unwrap();
         assert!(Desc::of(Op::AllGather, &t).encode().is_err());
         assert!(part_header(&t).is_err());
-        assert!(encode_message(0, &t).is_ok(), "point-to-point has no dims limit");
+        assert!(
+            encode_message(0, &t).is_ok(),
+            "point-to-point has no dims limit"
+        );
     }
 }

@@ -54,9 +54,15 @@ pub fn initial_weights(cfg: &TrainConfig) -> HashMap<String, Tensor> {
 }
 
 /// The reference's loss and gradients on step `step`'s global batch.
-pub fn reference_step(cfg: &TrainConfig, weights: &HashMap<String, Tensor>, step: usize) -> (f64, HashMap<String, Tensor>) {
+pub fn reference_step(
+    cfg: &TrainConfig,
+    weights: &HashMap<String, Tensor>,
+    step: usize,
+) -> (f64, HashMap<String, Tensor>) {
     let model = ReferenceGpt::new(&cfg.model, weights).unwrap();
-    let (x, y) = Corpus::bundled().batch(cfg.seed, step, 0..cfg.batch, cfg.seq_len).unwrap();
+    let (x, y) = Corpus::bundled()
+        .batch(cfg.seed, step, 0..cfg.batch, cfg.seq_len)
+        .unwrap();
     model.loss_and_grads(&x, &y).unwrap()
 }
 
@@ -82,11 +88,19 @@ pub fn reference_curve(cfg: &TrainConfig) -> Vec<f64> {
     let corpus = Corpus::bundled();
     let mut losses = Vec::new();
     for step in 0..cfg.steps {
-        let (x, y) = corpus.batch(cfg.seed, step, 0..cfg.batch, cfg.seq_len).unwrap();
+        let (x, y) = corpus
+            .batch(cfg.seed, step, 0..cfg.batch, cfg.seq_len)
+            .unwrap();
         let loss = model.loss(&x, &y).unwrap();
         let g = loss.backward().unwrap();
-        let mut grads: Vec<Option<Tensor>> = vars.iter().map(|v| g.get(v.as_tensor()).cloned()).collect();
-        let norm = grads.iter().flatten().map(|t| sum_sq(t).unwrap()).sum::<f64>().sqrt();
+        let mut grads: Vec<Option<Tensor>> =
+            vars.iter().map(|v| g.get(v.as_tensor()).cloned()).collect();
+        let norm = grads
+            .iter()
+            .flatten()
+            .map(|t| sum_sq(t).unwrap())
+            .sum::<f64>()
+            .sqrt();
         if cfg.grad_clip > 0.0 && norm > cfg.grad_clip {
             let s = cfg.grad_clip / (norm + 1e-6);
             for t in grads.iter_mut().flatten() {
@@ -123,15 +137,32 @@ pub fn parallel_step(cfg: &TrainConfig, step: usize) -> (f64, HashMap<String, Te
             grads.extend(full);
         }
     }
-    assert_eq!(losses.len(), cfg.microbatches * cfg.dp, "one loss per microbatch");
+    assert_eq!(
+        losses.len(),
+        cfg.microbatches * cfg.dp,
+        "one loss per microbatch"
+    );
     (losses.iter().sum::<f64>() / losses.len() as f64, grads)
 }
 
 /// `max |a − b| / max |b|` over the tensor.
 pub fn rel_err(a: &Tensor, b: &Tensor) -> f64 {
     assert_eq!(a.dims(), b.dims());
-    let diff = (a - b).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap() as f64;
-    let scale = b.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap() as f64;
+    let diff = (a - b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap() as f64;
+    let scale = b
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap() as f64;
     diff / scale.max(f64::MIN_POSITIVE)
 }
 
@@ -142,14 +173,23 @@ pub fn assert_step_parity(cfg: &TrainConfig, tol: f64) {
     let (loss, got) = parallel_step(cfg, 0);
     let what = format!("dp {} pp {} tp {} {}", cfg.dp, cfg.pp, cfg.tp, cfg.schedule);
     let lerr = (loss - want_loss).abs() / want_loss.abs();
-    assert!(lerr <= tol, "{what}: loss {loss} vs reference {want_loss} (rel {lerr:.2e})");
+    assert!(
+        lerr <= tol,
+        "{what}: loss {loss} vs reference {want_loss} (rel {lerr:.2e})"
+    );
     let mut names: Vec<_> = want.keys().cloned().collect();
     names.sort();
     let mut got_names: Vec<_> = got.keys().cloned().collect();
     got_names.sort();
-    assert_eq!(got_names, names, "{what}: the parallel model has other parameters");
+    assert_eq!(
+        got_names, names,
+        "{what}: the parallel model has other parameters"
+    );
     for n in &names {
         let e = rel_err(&got[n], &want[n]);
-        assert!(e <= tol, "{what}: gradient of {n} differs by {e:.2e} (relative)");
+        assert!(
+            e <= tol,
+            "{what}: gradient of {n} differs by {e:.2e} (relative)"
+        );
     }
 }
