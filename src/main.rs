@@ -24,6 +24,12 @@ enum Command {
     Train(Box<cli::train::TrainArgs>),
     /// Generate, validate, simulate and draw a pipeline schedule
     Schedule(cli::schedule::ScheduleArgs),
+    /// Mean cross-entropy (nats per byte) of a checkpoint or weights file on a text
+    Eval(cli::model::EvalArgs),
+    /// Merge a checkpoint's shards into one nanoGPT-named .safetensors file (loads in PyTorch)
+    Export(cli::model::ExportArgs),
+    /// Generate text from a checkpoint or weights file
+    Sample(cli::model::SampleArgs),
 }
 
 fn main() {
@@ -32,6 +38,9 @@ fn main() {
     let result = match cli.command {
         Command::Train(a) => cli::train::run(*a),
         Command::Schedule(a) => cli::schedule::run(a),
+        Command::Eval(a) => cli::model::eval(a),
+        Command::Export(a) => cli::model::export(a),
+        Command::Sample(a) => cli::model::sample_text(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

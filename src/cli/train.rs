@@ -6,7 +6,7 @@ use anyhow::{anyhow, Context};
 use clap::Args;
 use switchyard_models::SplitSpec;
 use switchyard_train::data::Corpus;
-use switchyard_train::{train, TrainConfig, TrainOptions};
+use switchyard_train::{train, Resume, TrainConfig, TrainOptions};
 
 #[derive(Args, Default)]
 pub struct TrainArgs {
@@ -79,13 +79,38 @@ pub struct TrainArgs {
     /// Bound on any blocking communication, in seconds
     #[arg(long)]
     pub comm_timeout: Option<f64>,
+    /// Save checkpoints here (step-N/ directories; the newest --keep are kept)
+    #[arg(long)]
+    pub checkpoint_dir: Option<PathBuf>,
+    /// Save every N steps (and at the end)
+    #[arg(long)]
+    pub save_every: Option<usize>,
+    /// Keep the newest K checkpoints (0: all)
+    #[arg(long)]
+    pub keep: Option<usize>,
+    /// Continue from the newest complete checkpoint in --checkpoint-dir (any layout)
+    #[arg(long)]
+    pub resume: bool,
+    /// Continue from the checkpoint saved after STEP steps
+    #[arg(long, value_name = "STEP")]
+    pub resume_from: Option<usize>,
+    /// Start from the weights in a .safetensors file with nanoGPT names (e.g. from `switchyard export` or PyTorch)
+    #[arg(long, value_name = "FILE")]
+    pub init: Option<PathBuf>,
     /// No progress bar
     #[arg(long)]
     pub quiet: bool,
 }
 
 /// The settings a TOML file may hold besides [`TrainConfig`]'s.
-const FILE_ONLY: [&str; 3] = ["data", "metrics", "trace"];
+const FILE_ONLY: [&str; 6] = [
+    "data",
+    "metrics",
+    "trace",
+    "checkpoint_dir",
+    "save_every",
+    "keep",
+];
 
 fn load_file(path: &Path) -> anyhow::Result<(TrainConfig, toml::Table)> {
     let text = std::fs::read_to_string(path)
@@ -132,10 +157,25 @@ pub fn resolve(a: &TrainArgs) -> anyhow::Result<(TrainConfig, Option<PathBuf>, T
     if a.seq_len.is_some() && c.model.block_size < c.seq_len {
         c.model.block_size = c.seq_len;
     }
+    let int = |k: &str| {
+        file.get(k)
+            .and_then(|v| v.as_integer())
+            .map(|v| v.max(0) as usize)
+    };
+    let resume = match (a.resume, a.resume_from) {
+        (_, Some(s)) => Some(Resume::Step(s)),
+        (true, None) => Some(Resume::Latest),
+        (false, None) => None,
+    };
     let opts = TrainOptions {
         metrics: a.metrics.clone().or_else(|| path("metrics")),
         trace: a.trace.clone().or_else(|| path("trace")),
         progress: !a.quiet,
+        checkpoint_dir: a.checkpoint_dir.clone().or_else(|| path("checkpoint_dir")),
+        save_every: a.save_every.or_else(|| int("save_every")).unwrap_or(0),
+        keep: a.keep.or_else(|| int("keep")).unwrap_or(3),
+        resume,
+        init: a.init.clone(),
     };
     Ok((c, a.data.clone().or_else(|| path("data")), opts))
 }
@@ -175,6 +215,9 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
     }
     if let Some(p) = &opts.trace {
         println!("trace: {} (open in https://ui.perfetto.dev)", p.display());
+    }
+    if let Some(p) = &opts.checkpoint_dir {
+        println!("checkpoints: {}", p.display());
     }
     Ok(())
 }

@@ -73,6 +73,71 @@ impl GptConfig {
         emb + self.n_layer * self.block_params() + head
     }
 
+    /// Every parameter's nanoGPT name and full shape, in the order the model creates
+    /// them (a tied head has no `lm_head.weight`).
+    pub fn param_shapes(&self) -> Vec<(String, Vec<usize>)> {
+        let (v, d, b) = (self.vocab_size, self.d_model, self.block_size);
+        let mut out = vec![
+            ("transformer.wte.weight".to_string(), vec![v, d]),
+            ("transformer.wpe.weight".to_string(), vec![b, d]),
+        ];
+        for i in 0..self.n_layer {
+            let p = |n: &str| format!("transformer.h.{i}.{n}");
+            out.extend([
+                (p("ln_1.weight"), vec![d]),
+                (p("ln_1.bias"), vec![d]),
+                (p("attn.c_attn.weight"), vec![3 * d, d]),
+                (p("attn.c_attn.bias"), vec![3 * d]),
+                (p("attn.c_proj.weight"), vec![d, d]),
+                (p("attn.c_proj.bias"), vec![d]),
+                (p("ln_2.weight"), vec![d]),
+                (p("ln_2.bias"), vec![d]),
+                (p("mlp.c_fc.weight"), vec![4 * d, d]),
+                (p("mlp.c_fc.bias"), vec![4 * d]),
+                (p("mlp.c_proj.weight"), vec![d, 4 * d]),
+                (p("mlp.c_proj.bias"), vec![d]),
+            ]);
+        }
+        out.push(("transformer.ln_f.weight".to_string(), vec![d]));
+        out.push(("transformer.ln_f.bias".to_string(), vec![d]));
+        if !self.tied_embeddings {
+            out.push(("lm_head.weight".to_string(), vec![v, d]));
+        }
+        out
+    }
+
+    /// The config of a nanoGPT state dict, from its tensor shapes (`name → shape`); the
+    /// number of heads cannot be seen in the shapes and is given. The head is tied when
+    /// the dict has no `lm_head.weight`.
+    pub fn infer(
+        shapes: &std::collections::HashMap<String, Vec<usize>>,
+        n_head: usize,
+    ) -> Result<GptConfig, String> {
+        let get = |n: &str| {
+            shapes
+                .get(n)
+                .ok_or_else(|| format!("the weights have no {n}"))
+        };
+        let wte = get("transformer.wte.weight")?;
+        let wpe = get("transformer.wpe.weight")?;
+        if wte.len() != 2 || wpe.len() != 2 {
+            return Err(format!("unexpected embedding shapes {wte:?} and {wpe:?}"));
+        }
+        let n_layer = (0..)
+            .take_while(|i| shapes.contains_key(&format!("transformer.h.{i}.ln_1.weight")))
+            .count();
+        let cfg = GptConfig {
+            vocab_size: wte[0],
+            block_size: wpe[0],
+            n_layer,
+            n_head,
+            d_model: wte[1],
+            tied_embeddings: !shapes.contains_key("lm_head.weight"),
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
     /// Training FLOPs per token at sequence length `t`: 6 per weight of every matrix
     /// product (forward 2, backward 4), plus attention's `q·kᵀ` and `a·v`
     /// (6 · 2 · n_layer · t · d, counting the full square as PaLM's appendix does).
@@ -99,6 +164,16 @@ mod tests {
         };
         // nanoGPT reports 124.44M with the position table.
         assert_eq!(c.param_count(), 124_439_808);
+    }
+
+    #[test]
+    fn shapes_cover_every_parameter_and_infer_back() {
+        let c = GptConfig::tiny(3);
+        let shapes: std::collections::HashMap<String, Vec<usize>> =
+            c.param_shapes().into_iter().collect();
+        let count: usize = shapes.values().map(|s| s.iter().product::<usize>()).sum();
+        assert_eq!(count, c.param_count());
+        assert_eq!(GptConfig::infer(&shapes, c.n_head).unwrap(), c);
     }
 
     #[test]

@@ -26,12 +26,14 @@
 //!
 //! Tutorials: `docs/tutorial/01-quickstart.md` and `docs/tutorial/04-3d-parallelism.md`.
 
+pub mod checkpoint;
 mod config;
 pub mod data;
 pub mod optim;
 mod trainer;
+pub mod weights;
 mod worker;
 
 pub use config::TrainConfig;
-pub use trainer::{train, PipelineRankReport, StepRecord, TrainOptions, TrainReport};
+pub use trainer::{train, PipelineRankReport, Resume, StepRecord, TrainOptions, TrainReport};
 pub use worker::{NonFinite, StepMetrics, Worker};

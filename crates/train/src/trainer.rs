@@ -1,18 +1,22 @@
 //! The training loop over all ranks: launch, step, report.
 
+use std::collections::HashMap;
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, Context};
+use candle_core::Tensor;
 use serde::Serialize;
 use switchyard_comm::local::Launcher;
 use switchyard_comm::Communicator;
 use switchyard_schedule::{simulate, Costs};
 use switchyard_shard::ParamSource;
 
+use crate::checkpoint::{self, fnv64, Checkpoint, CorpusInfo, FileEntry, FullState, Manifest};
 use crate::data::Corpus;
+use crate::weights::Weights;
 use crate::worker::{StepMetrics, Worker};
 use crate::TrainConfig;
 
@@ -25,6 +29,35 @@ pub struct TrainOptions {
     pub trace: Option<PathBuf>,
     /// A progress bar (or periodic lines when stderr is not a terminal).
     pub progress: bool,
+    /// Where checkpoints go (`step-N/` directories).
+    pub checkpoint_dir: Option<PathBuf>,
+    /// Save every this many steps (0: only at the end), when `checkpoint_dir` is set.
+    pub save_every: usize,
+    /// Keep the newest this many checkpoints (0: all).
+    pub keep: usize,
+    /// Continue from a checkpoint in `checkpoint_dir`.
+    pub resume: Option<Resume>,
+    /// Start from the weights of a `.safetensors` file (or a checkpoint) instead of the seed.
+    pub init: Option<PathBuf>,
+}
+
+/// Which checkpoint `--resume` continues from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Resume {
+    /// The newest complete one.
+    Latest,
+    /// The one saved after this many steps.
+    Step(usize),
+}
+
+/// Where a run starts: the state each rank loads.
+enum Start {
+    Seed,
+    Weights(HashMap<String, Tensor>),
+    Checkpoint {
+        manifest: Box<Manifest>,
+        full: FullState,
+    },
 }
 
 /// One step, as reported by rank 0 for the whole job.
@@ -131,10 +164,25 @@ pub fn train(
     if cfg.threads_per_worker > 0 {
         launcher = launcher.threads_per_worker(cfg.threads_per_worker);
     }
+    let corpus_info = CorpusInfo {
+        name: corpus.name.clone(),
+        bytes: corpus.len(),
+        fnv64: fnv64(corpus.bytes()),
+    };
+    let start = prepare_start(cfg, opts, &corpus_info)?;
     let sink = Sink::open(opts, cfg)?;
     let epoch = Instant::now();
+    let ctx = RankContext {
+        cfg,
+        corpus,
+        corpus_info: &corpus_info,
+        opts,
+        sink: &sink,
+        epoch,
+        start: &start,
+    };
     let outcomes = launcher
-        .run(|world| run_rank(world, cfg, corpus, opts, &sink, epoch))
+        .run(|world| run_rank(world, &ctx))
         .map_err(|e| anyhow!("{e}"))?;
     sink.finish();
     let program = cfg.program().map_err(anyhow::Error::msg)?;
@@ -206,20 +254,104 @@ fn record(cfg: &TrainConfig, m: &StepMetrics) -> StepRecord {
     }
 }
 
-fn run_rank(
-    world: Arc<dyn Communicator>,
-    cfg: &TrainConfig,
-    corpus: &Corpus,
-    opts: &TrainOptions,
-    sink: &Sink,
+/// What every rank shares.
+struct RankContext<'a> {
+    cfg: &'a TrainConfig,
+    corpus: &'a Corpus,
+    corpus_info: &'a CorpusInfo,
+    opts: &'a TrainOptions,
+    sink: &'a Sink,
     epoch: Instant,
-) -> anyhow::Result<RankOutcome> {
+    start: &'a Start,
+}
+
+/// Loads and checks whatever the run starts from, before any worker starts.
+fn prepare_start(
+    cfg: &TrainConfig,
+    opts: &TrainOptions,
+    corpus: &CorpusInfo,
+) -> anyhow::Result<Start> {
+    if opts.resume.is_some() && opts.init.is_some() {
+        anyhow::bail!(
+            "--resume and --init exclude each other: resume continues a run, init starts a new one"
+        );
+    }
+    if let Some(r) = opts.resume {
+        let dir = opts
+            .checkpoint_dir
+            .as_ref()
+            .ok_or_else(|| anyhow!("--resume needs --checkpoint-dir"))?;
+        let step = match r {
+            Resume::Latest => None,
+            Resume::Step(s) => Some(s),
+        };
+        let ckpt = Checkpoint::find(dir, step)?;
+        let m = &ckpt.manifest;
+        if m.config.model != cfg.model {
+            anyhow::bail!(
+                "{} holds a model {:?}, but this run builds {:?}: resume with the checkpoint's model flags",
+                ckpt.path.display(),
+                m.config.model,
+                cfg.model
+            );
+        }
+        if m.corpus.bytes != corpus.bytes || m.corpus.fnv64 != corpus.fnv64 {
+            anyhow::bail!(
+                "{} was trained on {} ({} bytes); this run reads {} ({} bytes): pass the same --data to resume",
+                ckpt.path.display(),
+                m.corpus.name,
+                m.corpus.bytes,
+                corpus.name,
+                corpus.bytes
+            );
+        }
+        if m.step >= cfg.steps {
+            anyhow::bail!(
+                "{} is already at step {} of a run of --steps {}: pass more --steps to continue",
+                ckpt.path.display(),
+                m.step,
+                cfg.steps
+            );
+        }
+        let full = ckpt.load_full()?;
+        return Ok(Start::Checkpoint {
+            manifest: Box::new(ckpt.manifest),
+            full,
+        });
+    }
+    if let Some(path) = &opts.init {
+        let w = Weights::load(path, cfg.model.n_head)?;
+        if w.config != cfg.model {
+            anyhow::bail!(
+                "{} holds a model {:?}, but this run builds {:?}: pass matching --d-model, --layers, --heads (and --tied)",
+                path.display(),
+                w.config,
+                cfg.model
+            );
+        }
+        return Ok(Start::Weights(w.tensors));
+    }
+    Ok(Start::Seed)
+}
+
+fn run_rank(world: Arc<dyn Communicator>, ctx: &RankContext) -> anyhow::Result<RankOutcome> {
+    let (cfg, opts) = (ctx.cfg, ctx.opts);
     let me = world.rank();
-    let mut worker = Worker::new(world, cfg, corpus, ParamSource::Init { seed: cfg.seed })?;
-    worker.set_epoch(epoch);
+    let (source, first_step) = match ctx.start {
+        Start::Seed => (ParamSource::Init { seed: cfg.seed }, 0),
+        Start::Weights(w) => (ParamSource::Full(w.clone()), 0),
+        Start::Checkpoint { manifest, full } => {
+            (ParamSource::Full(full.params.clone()), manifest.step)
+        }
+    };
+    let mut worker = Worker::new(world, cfg, ctx.corpus, source)?;
+    if let Start::Checkpoint { manifest, full } = ctx.start {
+        worker.restore_optimizer(&full.m, &full.v, manifest.optimizer_t)?;
+    }
+    worker.set_epoch(ctx.epoch);
     let mut steps = Vec::new();
     let mut trace = Vec::new();
-    for step in 0..cfg.steps {
+    for step in first_step..cfg.steps {
         let m = match worker.step(step)? {
             Ok(m) => m,
             Err(nf) if nf.rank == me => {
@@ -237,7 +369,7 @@ fn run_rank(
             Err(_) => break,
         };
         if me == 0 {
-            sink.step(&record(cfg, &m));
+            ctx.sink.step(&record(cfg, &m));
         }
         if opts.trace.is_some() {
             trace.extend(m.exec.events.iter().map(|e| {
@@ -249,8 +381,65 @@ fn run_rank(
             }));
         }
         steps.push(m);
+        if let Some(dir) = &opts.checkpoint_dir {
+            let done = step + 1;
+            if done == cfg.steps || (opts.save_every > 0 && done % opts.save_every == 0) {
+                save(&worker, dir, done, ctx)?;
+            }
+        }
     }
     Ok(RankOutcome { steps, trace })
+}
+
+/// Saves the state after `done` steps (see [`checkpoint`]). Collective over the world.
+fn save(
+    worker: &Worker,
+    dir: &std::path::Path,
+    done: usize,
+    ctx: &RankContext,
+) -> anyhow::Result<()> {
+    let world = &worker.mesh.world;
+    let staging = checkpoint::staging_dir(dir, done);
+    if world.rank() == 0 {
+        if staging.exists() {
+            std::fs::remove_dir_all(&staging)?;
+        }
+        std::fs::create_dir_all(&staging)
+            .with_context(|| format!("cannot create {}", staging.display()))?;
+    }
+    world.barrier()?;
+    let c = worker.mesh.coord;
+    let entry_path = |pp: usize, tp: usize| staging.join(format!("pp{pp}-tp{tp}.entry.json"));
+    if c.dp == 0 {
+        let entry =
+            checkpoint::write_rank_file(&staging, c.pp, c.tp, &worker.checkpoint_shards()?)?;
+        checkpoint::write_atomic(&entry_path(c.pp, c.tp), &serde_json::to_vec(&entry)?)?;
+    }
+    world.barrier()?;
+    if world.rank() == 0 {
+        let mut files = Vec::new();
+        for pp in 0..ctx.cfg.pp {
+            for tp in 0..ctx.cfg.tp {
+                let p = entry_path(pp, tp);
+                let entry: FileEntry = serde_json::from_slice(&std::fs::read(&p)?)?;
+                std::fs::remove_file(&p)?;
+                files.push(entry);
+            }
+        }
+        let manifest = Manifest {
+            format: checkpoint::FORMAT.into(),
+            step: done,
+            config: ctx.cfg.clone(),
+            corpus: ctx.corpus_info.clone(),
+            data_position: done,
+            rng_seed: ctx.cfg.seed,
+            optimizer_t: worker.opt.t,
+            optimizer: worker.opt.config,
+            files,
+        };
+        checkpoint::commit(dir, &manifest, ctx.opts.keep)?;
+    }
+    Ok(())
 }
 
 /// Rank 0's outputs while training: the metrics file and the progress display.

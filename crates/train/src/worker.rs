@@ -24,6 +24,7 @@ use switchyard_pipeline::{Executor, Microbatches, Stage, StepStats};
 use switchyard_schedule::Program;
 use switchyard_shard::{gather_full_tensor, Param, ParamSource, ParamStore, ShardSpec};
 
+use crate::checkpoint::RankShard;
 use crate::data::Corpus;
 use crate::optim::{sum_sq, AdamW, AdamWConfig, LrSchedule};
 use crate::TrainConfig;
@@ -390,6 +391,61 @@ impl Worker {
             seconds: t0.elapsed().as_secs_f64(),
             exec,
         }))
+    }
+
+    /// This rank's part of a checkpoint: the shards it owns (none outside data-parallel
+    /// replica 0; a replicated parameter on tensor rank 0 only; a tied table only on the
+    /// stage that holds the embeddings) with their Adam moments.
+    pub fn checkpoint_shards(&self) -> Result<Vec<RankShard>> {
+        if self.mesh.coord.dp != 0 {
+            return Ok(Vec::new());
+        }
+        let (tp_rank, tp_size) = (self.mesh.coord.tp, self.cfg.tp);
+        let mut out = Vec::new();
+        for ((p, owned), mom) in self.params.iter().zip(&self.owned).zip(&self.opt.moments) {
+            if !owned {
+                continue;
+            }
+            let shape = p.var.shape().clone();
+            out.push(RankShard {
+                name: p.name.clone(),
+                spec: p.spec,
+                full_shape: p.full_shape.clone(),
+                tp_rank,
+                tp_size,
+                value: p.var.as_tensor().copy()?,
+                m: Tensor::from_vec(mom.m.clone(), &shape, &Device::Cpu)?,
+                v: Tensor::from_vec(mom.v.clone(), &shape, &Device::Cpu)?,
+            });
+        }
+        Ok(out)
+    }
+
+    /// Restores the optimizer from full moments (any earlier layout) and its step count.
+    /// The parameters themselves come in through `ParamSource::Full` when the worker is built.
+    pub fn restore_optimizer(
+        &mut self,
+        m: &HashMap<String, Tensor>,
+        v: &HashMap<String, Tensor>,
+        t: u64,
+    ) -> Result<()> {
+        let (rank, n) = (self.mesh.coord.tp, self.cfg.tp);
+        for (p, mom) in self.params.iter().zip(self.opt.moments.iter_mut()) {
+            let get = |map: &HashMap<String, Tensor>| -> Result<Vec<f64>> {
+                let Some(full) = map.get(&p.name) else {
+                    candle_core::bail!("the checkpoint has no optimizer state for {}", p.name);
+                };
+                p.spec
+                    .shard_of(&p.name, full, rank, n)?
+                    .flatten_all()?
+                    .to_dtype(DType::F64)?
+                    .to_vec1()
+            };
+            mom.m = get(m)?;
+            mom.v = get(v)?;
+        }
+        self.opt.t = t;
+        Ok(())
     }
 
     /// Every parameter's full gradient by name, gathered over the tensor-parallel group

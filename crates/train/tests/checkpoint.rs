@@ -1,0 +1,280 @@
+//! Checkpoints: bit-exact resume, resume on other layouts, export and `--init`, crashes
+//! in the middle of a save, corrupt inputs — and that a failed load never changes disk.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use common::*;
+use switchyard_train::checkpoint::{self, Checkpoint};
+use switchyard_train::data::Corpus;
+use switchyard_train::weights::{evaluate, Weights};
+use switchyard_train::{train, Resume, TrainConfig, TrainOptions, TrainReport};
+
+fn scratch(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("switchyard-ckpt-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// A run of 8 steps with a fixed global batch of 8 sequences, whatever the layout.
+fn run_cfg(dp: usize, pp: usize, tp: usize, schedule: &str) -> TrainConfig {
+    let mut c = tiny(dp, pp, tp, schedule);
+    c.batch = 8;
+    c.steps = 8;
+    c
+}
+
+fn run(
+    cfg: &TrainConfig,
+    dir: &Path,
+    save_every: usize,
+    resume: Option<Resume>,
+) -> anyhow::Result<TrainReport> {
+    let opts = TrainOptions {
+        checkpoint_dir: Some(dir.to_path_buf()),
+        save_every,
+        keep: 0,
+        resume,
+        ..TrainOptions::default()
+    };
+    train(cfg, &Corpus::bundled(), &opts)
+}
+
+fn losses(r: &TrainReport) -> Vec<f64> {
+    r.steps.iter().map(|s| s.loss).collect()
+}
+
+/// Every file under `dir` with its size and hash.
+fn snapshot(dir: &Path) -> BTreeMap<PathBuf, (u64, String)> {
+    let mut out = BTreeMap::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap().flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                stack.push(p);
+            } else {
+                let b = std::fs::read(&p).unwrap();
+                out.insert(p, (b.len() as u64, checkpoint::fnv64(&b)));
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn resume_on_the_same_layout_is_bit_exact() {
+    let dir = scratch("same");
+    let cfg = run_cfg(1, 2, 2, "1f1b");
+    let full = losses(&run(&cfg, &dir, 4, None).unwrap());
+    let resumed = losses(&run(&cfg, &dir, 0, Some(Resume::Step(4))).unwrap());
+    assert_eq!(resumed.len(), 4);
+    assert_eq!(
+        resumed,
+        full[4..],
+        "the losses after resume must be identical"
+    );
+}
+
+#[test]
+fn resume_on_another_layout_continues_the_same_run() {
+    for ((from, fs), (to, ts)) in [
+        (((1, 2, 2), "1f1b"), ((1, 1, 1), "1f1b")),
+        (((1, 1, 1), "1f1b"), ((2, 2, 1), "1f1b")),
+        (((1, 2, 1), "1f1b"), ((1, 4, 1), "interleaved")),
+    ] {
+        let dir = scratch(&format!("reshard-{from:?}-{to:?}"));
+        let a = run_cfg(from.0, from.1, from.2, fs);
+        let full = losses(&run(&a, &dir, 4, None).unwrap());
+        let b = run_cfg(to.0, to.1, to.2, ts);
+        let resumed = losses(&run(&b, &dir, 0, Some(Resume::Step(4))).unwrap());
+        for (k, (r, f)) in resumed.iter().zip(&full[4..]).enumerate() {
+            let e = (r - f).abs() / f.abs();
+            assert!(
+                e <= 1e-5,
+                "{from:?} {fs} → {to:?} {ts}: step {} loss {r} vs {f} ({e:.2e})",
+                k + 4
+            );
+        }
+    }
+}
+
+#[test]
+fn export_then_init_gives_the_same_loss() {
+    let dir = scratch("export");
+    let mut cfg = run_cfg(1, 2, 2, "1f1b");
+    cfg.model.tied_embeddings = true;
+    cfg.steps = 3;
+    run(&cfg, &dir, 0, None).unwrap();
+    let from_ckpt = Weights::load(&dir, cfg.model.n_head).unwrap();
+    let file = dir.join("model.safetensors");
+    from_ckpt.export(&file).unwrap();
+    let from_file = Weights::load(&file, 99).unwrap(); // the config comes from the file's metadata
+    assert_eq!(from_file.config, cfg.model);
+    // PyTorch's nanoGPT state dict has both names of a tied table.
+    let raw = candle_core::safetensors::load(&file, &candle_core::Device::Cpu).unwrap();
+    assert!(raw.contains_key("lm_head.weight") && raw.contains_key("transformer.wte.weight"));
+    let corpus = Corpus::bundled();
+    let a = evaluate(&from_ckpt, &corpus, 8, Some(32)).unwrap();
+    let b = evaluate(&from_file, &corpus, 8, Some(32)).unwrap();
+    assert_eq!(a.nats_per_byte, b.nats_per_byte);
+    // A new run from the file starts from exactly these weights.
+    let mut fresh = cfg.clone();
+    fresh.steps = 1;
+    let opts = TrainOptions {
+        init: Some(file.clone()),
+        ..TrainOptions::default()
+    };
+    let started = train(&fresh, &corpus, &opts).unwrap().steps[0].loss;
+    let (want, _) = reference_step(&fresh, &from_file.tensors, 0);
+    assert!((started - want).abs() / want <= 1e-5, "{started} vs {want}");
+}
+
+#[test]
+fn an_interrupted_save_leaves_the_previous_checkpoint_loadable() {
+    let dir = scratch("interrupted");
+    let cfg = run_cfg(1, 2, 2, "1f1b");
+    run(&cfg, &dir, 4, None).unwrap();
+    let before = Checkpoint::find(&dir, None).unwrap().manifest.step;
+    assert_eq!(before, 8);
+    // A later save that stopped between files: one rank's shards written, no manifest.
+    let staging = checkpoint::staging_dir(&dir, 12);
+    std::fs::create_dir_all(&staging).unwrap();
+    let ckpt = Checkpoint::find(&dir, None).unwrap();
+    std::fs::copy(
+        ckpt.path.join("pp0-tp0.safetensors"),
+        staging.join("pp0-tp0.safetensors"),
+    )
+    .unwrap();
+    // And one that stopped after its manifest but before the rename.
+    let staging = checkpoint::staging_dir(&dir, 16);
+    std::fs::create_dir_all(&staging).unwrap();
+    std::fs::copy(
+        ckpt.path.join(checkpoint::MANIFEST),
+        staging.join(checkpoint::MANIFEST),
+    )
+    .unwrap();
+    let found = Checkpoint::find(&dir, None).unwrap();
+    assert_eq!(found.manifest.step, 8);
+    found.load_full().unwrap();
+    let mut more = cfg.clone();
+    more.steps = 10;
+    let r = run(&more, &dir, 0, Some(Resume::Latest)).unwrap();
+    assert_eq!(r.steps.first().unwrap().step, 8);
+    // The next successful save cleans up the garbage.
+    assert!(!checkpoint::staging_dir(&dir, 12).exists());
+}
+
+#[test]
+fn only_the_newest_checkpoints_are_kept() {
+    let dir = scratch("keep");
+    let mut cfg = run_cfg(1, 1, 1, "1f1b");
+    cfg.steps = 5;
+    let opts = TrainOptions {
+        checkpoint_dir: Some(dir.clone()),
+        save_every: 1,
+        keep: 2,
+        ..TrainOptions::default()
+    };
+    train(&cfg, &Corpus::bundled(), &opts).unwrap();
+    let steps: Vec<usize> = checkpoint::complete_steps(&dir)
+        .unwrap()
+        .into_iter()
+        .map(|(s, _)| s)
+        .collect();
+    assert_eq!(steps, [4, 5]);
+}
+
+/// Resuming from a damaged `dir` fails with a message containing `want`, and changes
+/// nothing on disk.
+fn assert_refused(dir: &Path, cfg: &TrainConfig, want: &str) {
+    let before = snapshot(dir);
+    let e = run(cfg, dir, 1, Some(Resume::Latest))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains(want), "expected {want:?} in: {e}");
+    assert_eq!(
+        snapshot(dir),
+        before,
+        "a failed resume changed the checkpoint directory"
+    );
+}
+
+#[test]
+fn corrupt_inputs_are_clear_errors_and_change_nothing() {
+    let cfg = run_cfg(1, 2, 2, "1f1b");
+    let fresh = |name: &str| {
+        let dir = scratch(name);
+        let mut c = cfg.clone();
+        c.steps = 2;
+        run(&c, &dir, 0, None).unwrap();
+        let path = Checkpoint::find(&dir, None).unwrap().path;
+        (dir, path)
+    };
+
+    let (dir, ck) = fresh("truncated");
+    let f = ck.join("pp1-tp0.safetensors");
+    let b = std::fs::read(&f).unwrap();
+    std::fs::write(&f, &b[..b.len() / 2]).unwrap();
+    assert_refused(&dir, &cfg, "pp1-tp0.safetensors is truncated or corrupt");
+
+    let (dir, ck) = fresh("flipped");
+    let f = ck.join("pp0-tp1.safetensors");
+    let mut b = std::fs::read(&f).unwrap();
+    let last = b.len() - 1;
+    b[last] ^= 0x55;
+    std::fs::write(&f, &b).unwrap();
+    assert_refused(&dir, &cfg, "pp0-tp1.safetensors is corrupt: its checksum");
+
+    let (dir, ck) = fresh("missing");
+    std::fs::remove_file(ck.join("pp1-tp1.safetensors")).unwrap();
+    assert_refused(
+        &dir,
+        &cfg,
+        "is missing pp1-tp1.safetensors listed in its manifest",
+    );
+
+    let (dir, _) = fresh("other-model");
+    let mut other = cfg.clone();
+    other.model.d_model = 32;
+    assert_refused(&dir, &other, "holds a model");
+
+    // A shard whose tensor does not have the shape its manifest records.
+    let (dir, ck) = fresh("shape");
+    let mpath = ck.join(checkpoint::MANIFEST);
+    let mut m: checkpoint::Manifest =
+        serde_json::from_slice(&std::fs::read(&mpath).unwrap()).unwrap();
+    m.files[0].tensors[0].shape[0] += 1;
+    std::fs::write(&mpath, serde_json::to_vec(&m).unwrap()).unwrap();
+    assert_refused(&dir, &cfg, "the manifest says");
+
+    let (dir, ck) = fresh("manifest");
+    std::fs::write(ck.join(checkpoint::MANIFEST), b"{ not json").unwrap();
+    assert_refused(&dir, &cfg, "is not a valid switchyard manifest");
+}
+
+#[test]
+fn an_init_file_of_the_wrong_shapes_is_refused_by_name() {
+    let dir = scratch("init-shapes");
+    let mut small = run_cfg(1, 1, 1, "1f1b");
+    small.steps = 1;
+    run(&small, &dir, 0, None).unwrap();
+    let file = dir.join("small.safetensors");
+    Weights::load(&dir, 4).unwrap().export(&file).unwrap();
+    let mut big = small.clone();
+    big.model.d_model = 32;
+    let opts = TrainOptions {
+        init: Some(file),
+        ..TrainOptions::default()
+    };
+    let e = train(&big, &Corpus::bundled(), &opts)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("small.safetensors holds a model") && e.contains("--d-model"),
+        "{e}"
+    );
+}

@@ -1,0 +1,108 @@
+//! `switchyard export`, `eval` and `sample`: a trained model outside training.
+
+use std::path::PathBuf;
+
+use anyhow::anyhow;
+use clap::Args;
+use switchyard_train::data::Corpus;
+use switchyard_train::weights::{evaluate, sample, Weights};
+
+/// The number of heads to assume for a weights file without switchyard metadata.
+const DEFAULT_HEADS: usize = 4;
+
+#[derive(Args)]
+pub struct ExportArgs {
+    /// A checkpoint directory (its newest complete checkpoint) or a step-N directory
+    #[arg(long)]
+    checkpoint: PathBuf,
+    /// The .safetensors file to write (nanoGPT names and shapes)
+    #[arg(long)]
+    out: PathBuf,
+}
+
+pub fn export(a: ExportArgs) -> anyhow::Result<()> {
+    let w = Weights::load(&a.checkpoint, DEFAULT_HEADS)?;
+    w.export(&a.out)?;
+    println!(
+        "wrote {} ({} tensors, {:.2}M parameters)",
+        a.out.display(),
+        w.tensors.len() + usize::from(w.config.tied_embeddings),
+        w.config.param_count() as f64 / 1e6
+    );
+    Ok(())
+}
+
+#[derive(Args)]
+pub struct EvalArgs {
+    /// A checkpoint directory, a step-N directory, or a .safetensors file
+    #[arg(long)]
+    checkpoint: PathBuf,
+    /// The text to evaluate on (default: the bundled corpus)
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// Window length L: each window is L + 1 bytes (default: the model's block size)
+    #[arg(long)]
+    seq_len: Option<usize>,
+    /// Only the first N windows
+    #[arg(long)]
+    max_windows: Option<usize>,
+    /// Heads, for a weights file without switchyard metadata
+    #[arg(long, default_value_t = DEFAULT_HEADS)]
+    heads: usize,
+    /// Print JSON
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn eval(a: EvalArgs) -> anyhow::Result<()> {
+    let w = Weights::load(&a.checkpoint, a.heads)?;
+    let corpus = match &a.data {
+        Some(p) => Corpus::from_file(p).map_err(anyhow::Error::msg)?,
+        None => Corpus::bundled(),
+    };
+    let seq_len = a.seq_len.unwrap_or(w.config.block_size);
+    let r = evaluate(&w, &corpus, seq_len, a.max_windows)?;
+    if a.json {
+        println!("{}", serde_json::to_string(&r)?);
+    } else {
+        println!(
+            "{:.4} nats/byte ({:.4} bits/byte) over {} windows of {}+1 bytes of {}",
+            r.nats_per_byte,
+            r.nats_per_byte / std::f64::consts::LN_2,
+            r.windows,
+            r.seq_len,
+            corpus.name
+        );
+    }
+    Ok(())
+}
+
+#[derive(Args)]
+pub struct SampleArgs {
+    /// A checkpoint directory, a step-N directory, or a .safetensors file
+    #[arg(long)]
+    checkpoint: PathBuf,
+    #[arg(long, default_value = "And God said")]
+    prompt: String,
+    /// Bytes to generate
+    #[arg(long, default_value_t = 200)]
+    tokens: usize,
+    /// 0 samples greedily
+    #[arg(long, default_value_t = 0.8)]
+    temperature: f64,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Heads, for a weights file without switchyard metadata
+    #[arg(long, default_value_t = DEFAULT_HEADS)]
+    heads: usize,
+}
+
+pub fn sample_text(a: SampleArgs) -> anyhow::Result<()> {
+    let w = Weights::load(&a.checkpoint, a.heads)?;
+    if a.temperature < 0.0 {
+        return Err(anyhow!("--temperature must be ≥ 0"));
+    }
+    let text = sample(&w, &a.prompt, a.tokens, a.temperature, a.seed)?;
+    println!("{}{}", a.prompt, text);
+    Ok(())
+}
