@@ -82,6 +82,8 @@ pub struct PipelineRankReport {
     /// Most microbatches whose activations this rank held at once (measured).
     pub peak_activations: usize,
     pub peak_activations_predicted: u32,
+    /// The measured peak of each stage this rank runs, `(stage, microbatches)`.
+    pub peak_per_stage: Vec<(u32, usize)>,
 }
 
 /// What a run did.
@@ -119,15 +121,17 @@ impl TrainReport {
             self.tokens_per_s
         );
         if cfg.pp > 1 {
-            s += "pipeline   bubble measured   bubble predicted   peak activations (measured / predicted)\n";
+            s += "pipeline   bubble measured   bubble predicted   peak activations (measured / predicted)   per stage\n";
             for p in &self.pipeline {
+                let stages: Vec<String> = p.peak_per_stage.iter().map(|(k, v)| format!("{k}:{v}")).collect();
                 s += &format!(
-                    "  rank {:<4} {:>14.1}% {:>17.1}%   {:>3} / {}\n",
+                    "  rank {:<4} {:>14.1}% {:>17.1}%   {:>3} / {:<36} {}\n",
                     p.pp_rank,
                     100.0 * p.bubble_measured,
                     100.0 * p.bubble_predicted,
                     p.peak_activations,
-                    p.peak_activations_predicted
+                    p.peak_activations_predicted,
+                    stages.join(" ")
                 );
             }
         }
@@ -211,6 +215,16 @@ pub fn train(
                 .max()
                 .unwrap_or(0),
             peak_activations_predicted: predicted.ranks[pp_rank].peak_activations,
+            peak_per_stage: steps
+                .iter()
+                .flat_map(|s| s.exec.peak_per_stage.iter().map(|(&k, &v)| (k, v)))
+                .fold(std::collections::BTreeMap::new(), |mut m, (k, v)| {
+                    let e: &mut usize = m.entry(k).or_default();
+                    *e = (*e).max(v);
+                    m
+                })
+                .into_iter()
+                .collect(),
         });
     }
     if let Some(path) = &opts.trace {
