@@ -30,10 +30,12 @@ pub mod checkpoint;
 mod config;
 pub mod data;
 pub mod optim;
+mod report;
 mod trainer;
 pub mod weights;
 mod worker;
 
 pub use config::TrainConfig;
-pub use trainer::{train, PipelineRankReport, Resume, StepRecord, TrainOptions, TrainReport};
+pub use report::{PipelineRankReport, StepRecord, TrainReport};
+pub use trainer::{train, train_rank, Resume, TrainOptions};
 pub use worker::{NonFinite, StepMetrics, Worker};

@@ -56,7 +56,7 @@ fn metrics_and_trace_are_written() {
     let opts = TrainOptions {
         metrics: Some(dir.join("m.jsonl")),
         trace: Some(dir.join("t.json")),
-        progress: false,
+        ..TrainOptions::default()
     };
     let report = train(&cfg, &Corpus::bundled(), &opts).unwrap();
     let lines: Vec<serde_json::Value> = std::fs::read_to_string(dir.join("m.jsonl"))
