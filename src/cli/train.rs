@@ -6,7 +6,7 @@ use anyhow::{anyhow, Context};
 use clap::Args;
 use switchyard_models::SplitSpec;
 use switchyard_train::data::Corpus;
-use switchyard_train::{train, Resume, TrainConfig, TrainOptions};
+use switchyard_train::{train, train_rank, Resume, TrainConfig, TrainOptions};
 
 #[derive(Args, Default)]
 pub struct TrainArgs {
@@ -97,9 +97,23 @@ pub struct TrainArgs {
     /// Start from the weights in a .safetensors file with nanoGPT names (e.g. from `switchyard export` or PyTorch)
     #[arg(long, value_name = "FILE")]
     pub init: Option<PathBuf>,
+    /// `local`: one thread per rank in this process. `mpi`: this process is one rank of
+    /// an `mpirun -np <dp·pp·tp>` job (build with `--features mpi`)
+    #[arg(long, value_enum, default_value_t = Backend::Local)]
+    pub backend: Backend,
     /// No progress bar
     #[arg(long)]
     pub quiet: bool,
+}
+
+/// Where the ranks run.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum Backend {
+    /// One thread per rank in this process.
+    #[default]
+    Local,
+    /// One process per rank, started by `mpirun`.
+    Mpi,
 }
 
 /// The settings a TOML file may hold besides [`TrainConfig`]'s.
@@ -181,7 +195,13 @@ pub fn resolve(a: &TrainArgs) -> anyhow::Result<(TrainConfig, Option<PathBuf>, T
 }
 
 pub fn run(a: TrainArgs) -> anyhow::Result<()> {
-    let (cfg, data, opts) = resolve(&a)?;
+    let (cfg, data, mut opts) = resolve(&a)?;
+    // Under MPI every process runs this; only rank 0 speaks.
+    let rank0 = match a.backend {
+        Backend::Local => true,
+        Backend::Mpi => switchyard_comm::mpi::launcher_rank().unwrap_or(0) == 0,
+    };
+    opts.progress &= rank0;
     cfg.validate()
         .map_err(|e| anyhow!("invalid configuration: {e}"))?;
     let corpus = match &data {
@@ -189,26 +209,42 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
         None => Corpus::bundled(),
     };
     let workers = cfg.world_size();
+    // Workers sharing this machine: all of them on threads; under MPI, this node's.
+    let local_workers = match a.backend {
+        Backend::Local => workers,
+        Backend::Mpi => std::env::var("OMPI_COMM_WORLD_LOCAL_SIZE")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(1),
+    };
     let threads = match cfg.threads_per_worker {
-        0 => switchyard_comm::threads::default_threads_per_worker(workers),
+        0 => switchyard_comm::threads::default_threads_per_worker(local_workers),
         n => n,
     };
     super::set_gemm_threads(threads);
-    eprintln!(
-        "switchyard: GPT {} layers × d {} ({:.2}M parameters) on {} ({} bytes); {} workers: dp {} × pp {} × tp {}, {} with {} microbatches",
-        cfg.model.n_layer,
-        cfg.model.d_model,
-        cfg.model.param_count() as f64 / 1e6,
-        corpus.name,
-        corpus.len(),
-        workers,
-        cfg.dp,
-        cfg.pp,
-        cfg.tp,
-        cfg.schedule,
-        cfg.microbatches
-    );
-    let report = train(&cfg, &corpus, &opts)?;
+    if rank0 {
+        eprintln!(
+            "switchyard: GPT {} layers × d {} ({:.2}M parameters) on {} ({} bytes); {} workers: dp {} × pp {} × tp {}, {} with {} microbatches",
+            cfg.model.n_layer,
+            cfg.model.d_model,
+            cfg.model.param_count() as f64 / 1e6,
+            corpus.name,
+            corpus.len(),
+            workers,
+            cfg.dp,
+            cfg.pp,
+            cfg.tp,
+            cfg.schedule,
+            cfg.microbatches
+        );
+    }
+    let report = match a.backend {
+        Backend::Local => train(&cfg, &corpus, &opts)?,
+        Backend::Mpi => match run_mpi(&cfg, &corpus, &opts, threads)? {
+            Some(report) => report,
+            None => return Ok(()),
+        },
+    };
     print!("{}", report.render(&cfg));
     if let Some(p) = &opts.metrics {
         println!("metrics: {}", p.display());
@@ -220,4 +256,21 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
         println!("checkpoints: {}", p.display());
     }
     Ok(())
+}
+
+/// One rank of an `mpirun` job; rank 0 gets the report. A rank whose work fails ends
+/// the whole job through `MPI_Abort` (printing `rank R failed: …`), so that no other
+/// rank waits for it until its timeout.
+fn run_mpi(
+    cfg: &TrainConfig,
+    corpus: &Corpus,
+    opts: &TrainOptions,
+    threads: usize,
+) -> anyhow::Result<Option<switchyard_train::TrainReport>> {
+    let world = switchyard_comm::mpi::init()?;
+    let pool = switchyard_comm::threads::worker_pool(threads).map_err(anyhow::Error::msg)?;
+    match pool.install(|| train_rank(world, cfg, corpus, opts)) {
+        Ok(report) => Ok(report),
+        Err(e) => switchyard_comm::mpi::abort(1, &format!("{e:#}")),
+    }
 }
