@@ -22,6 +22,7 @@
 //!   and the failed rank. A rank whose closure returns while a peer still waits for it
 //!   also ends that wait. Every wait is bounded by the launcher's timeout.
 
+mod comm;
 mod group;
 mod launcher;
 
