@@ -18,7 +18,9 @@
 //!   [`CommError::Timeout`] naming the operation, the rank and the peer or group. After a
 //!   timeout the process's communicators refuse further work (`PeerFailed` naming the
 //!   rank that timed out), as the local backend's do: MPI may still own buffers of the
-//!   abandoned operation, which are leaked rather than freed.
+//!   abandoned operation, which are leaked rather than freed, and the process does not
+//!   call `MPI_Finalize` (which could wait for the abandoned operation forever): `mpirun`
+//!   then ends the job.
 //! * **Eager sends.** [`Communicator::send`] copies the tensor into one message (a small
 //!   header with tag, dtype and shape, then the data), starts `MPI_Isend` and returns. The
 //!   message stays alive until MPI reports it sent; completed sends are reaped by every
@@ -32,11 +34,12 @@
 //!   the group stays usable; the descriptor also tells broadcast's non-roots the root's
 //!   shape, and it doubles as the barrier.
 //! * **Rank-order reductions.** All-reduce is a reduce-scatter (`MPI_Ialltoallv` of
-//!   line-aligned chunks) followed by an all-gather (`MPI_Iallgatherv`); small buffers are
-//!   all-gathered whole instead. Either way each rank reduces with the crate's own kernel,
-//!   in rank order, so results are bit-identical to the in-process backend's and do not
-//!   depend on MPI's choice of algorithm. Reduce-scatter is one `MPI_Ialltoall` plus the
-//!   same kernel.
+//!   line-aligned chunks into the group's reused scratch buffer) followed by an
+//!   all-gather (`MPI_Iallgatherv`). Buffers up to 1 KiB ride with the descriptors (one
+//!   round in all) and small ones are all-gathered whole. Either way each rank reduces
+//!   with the crate's own kernel, in rank order, so results are bit-identical to the
+//!   in-process backend's and do not depend on MPI's choice of algorithm.
+//!   Reduce-scatter is one `MPI_Ialltoallv` plus the same kernel.
 //! * **Groups** are MPI communicators: [`Communicator::split_named`] checks the colours
 //!   and keys of every rank (duplicate keys are a `Mismatch` on every rank), then calls
 //!   `MPI_Comm_split`. Point-to-point messages of different groups never meet.
@@ -65,6 +68,8 @@ use crate::{CommError, Communicator, Result};
 mod collective;
 #[cfg(feature = "mpi")]
 mod comm;
+#[cfg(feature = "mpi")]
+mod exchange;
 #[cfg(feature = "mpi")]
 mod runtime;
 #[cfg(feature = "mpi")]
@@ -110,9 +115,9 @@ pub fn init() -> Result<Arc<dyn Communicator>> {
 /// Initialises MPI (asking for `MPI_THREAD_MULTIPLE`) and returns the world communicator
 /// of this process: rank `r` of `mpirun -np N` is rank `r` of a world of `N`.
 ///
-/// Calling it again while any communicator is alive returns another handle on the same
-/// world (with the first call's configuration). MPI is finalised when the last
-/// communicator is dropped and cannot be initialised again.
+/// Calling it again while any communicator is alive returns the same world communicator
+/// (with the first call's configuration). MPI is finalised when the last communicator is
+/// dropped and cannot be initialised again.
 ///
 /// Errors: [`CommError::Unavailable`] without the `mpi` feature; [`CommError::Invalid`]
 /// for a malformed [`TIMEOUT_ENV`]; [`CommError::Backend`] when MPI cannot start.

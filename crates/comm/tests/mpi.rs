@@ -181,15 +181,14 @@ fn a_rank_killed_by_a_signal_ends_the_job() {
 
 #[test]
 fn a_rank_that_fails_aborts_the_job_and_is_named() {
+    // Only `abort`'s own line is checked: OpenMPI 4.1's "MPI_ABORT was invoked on rank
+    // R" banner is sometimes lost ("ORTE_ERROR_LOG: ... show_help.c") when the job
+    // ends quickly.
     let job = mpirun(3, "error-abort", &[]);
     assert_ended_by_mpirun(&job, Some(2));
     assert!(
         job.stderr
             .contains("rank 1 failed: the loss is NaN at step 3"),
-        "{job}"
-    );
-    assert!(
-        job.stderr.contains("MPI_ABORT was invoked on rank 1"),
         "{job}"
     );
 }
@@ -198,10 +197,6 @@ fn a_rank_that_fails_aborts_the_job_and_is_named() {
 fn a_recv_times_out_naming_op_rank_and_peer() {
     let job = mpirun(2, "timeout-recv", &[("SWITCHYARD_COMM_TIMEOUT_SECS", "1")]);
     assert_ended_by_mpirun(&job, Some(4));
-    assert!(
-        job.stderr.contains("MPI_ABORT was invoked on rank 0"),
-        "{job}"
-    );
     let msg = "rank 0 failed: recv on rank 0 timed out after 1s waiting for peer rank 1";
     assert!(job.stderr.contains(msg), "{job}");
     // After a timeout the communicators refuse further work instead of waiting again.
@@ -240,4 +235,29 @@ fn a_malformed_timeout_is_refused() {
         job.stderr.contains("SWITCHYARD_COMM_TIMEOUT_SECS=\"soon\""),
         "{job}"
     );
+}
+
+/// The one case mpirun cannot see: a rank that finishes normally while others still wait
+/// for it. They reach their timeout, and abort.
+#[test]
+fn a_rank_that_leaves_early_makes_the_others_time_out() {
+    let job = mpirun(2, "leave-early", &[("SWITCHYARD_COMM_TIMEOUT_SECS", "2")]);
+    assert_ended_by_mpirun(&job, Some(4));
+    let msg = "rank 0 failed: recv on rank 0 timed out after 2s waiting for peer rank 1";
+    assert!(job.stderr.contains(msg), "{job}");
+}
+
+/// A process that failed does not finalise when its communicators are dropped (an
+/// abandoned operation could make MPI_Finalize wait forever), so even a binary that
+/// forgets to abort ends the job with an error.
+#[test]
+fn a_failed_process_that_returns_still_fails_the_job() {
+    let job = mpirun(
+        2,
+        "timeout-then-return",
+        &[("SWITCHYARD_COMM_TIMEOUT_SECS", "1")],
+    );
+    assert_ended_by_mpirun(&job, None);
+    assert!(job.stderr.contains("rank 0 with PID"), "{job}");
+    assert!(job.stderr.contains("exiting improperly"), "{job}");
 }

@@ -8,13 +8,20 @@
 //!
 //! * `conformance` (the default): the backend-generic conformance suite on the MPI
 //!   world, then a check that all-reduce is bit-identical to the in-process backend's on
-//!   inputs that round. Rank 0 prints `conformance: ok on N ranks`.
+//!   inputs that round, and checks the suite does not cover: tags beyond MPI's tag
+//!   range, large messages sent both ways before either side receives, and two threads
+//!   using two groups at once. Rank 0 prints `conformance: ok on N ranks`.
 //! * `exit-in-recv`, `exit-in-all-reduce`: rank 1 exits with status 3 while the other
 //!   ranks wait for it in a receive or an all-reduce; `mpirun` must end the job.
 //! * `signal-in-recv`: rank 1 dies of `SIGABRT` while the others wait for it.
 //! * `error-abort`: rank 1's work fails and it calls `switchyard_comm::mpi::abort`.
 //! * `timeout-recv`, `timeout-all-reduce`: rank 1 sleeps; the others time out (the
 //!   timeout is `SWITCHYARD_COMM_TIMEOUT_SECS`), print the error and abort.
+//! * `timeout-then-return`: as `timeout-recv`, but the waiting ranks then return
+//!   normally instead of aborting: a failed process must not finalise, so mpirun still
+//!   ends the job with an error.
+//! * `leave-early`: rank 1 finishes (and finalises) at once while the others wait to
+//!   receive from it: they time out and abort.
 //! * `lifetime`: a second `init` shares the world; MPI is finalised when the last
 //!   communicator is dropped, and `init` afterwards is an error.
 
@@ -40,7 +47,9 @@ fn main() {
         "conformance" => conformance_mode(&comm),
         "exit-in-recv" | "exit-in-all-reduce" | "signal-in-recv" => exit_mode(&comm, &mode),
         "error-abort" => error_mode(&comm),
-        "timeout-recv" | "timeout-all-reduce" => timeout_mode(&comm, &mode),
+        "timeout-recv" | "timeout-all-reduce" | "leave-early" | "timeout-then-return" => {
+            timeout_mode(&comm, &mode)
+        }
         other => Err(format!("unknown mode {other:?}")),
     };
     if let Err(e) = outcome {
@@ -53,6 +62,10 @@ fn main() {
 fn conformance_mode(comm: &Arc<dyn Communicator>) -> Result<(), String> {
     conformance::run_all(&**comm)?;
     same_bits_as_local(comm)?;
+    wide_tags(comm)?;
+    shapes_that_differ(comm)?;
+    eager_exchange(comm)?;
+    concurrent_groups(comm)?;
     comm.barrier().map_err(|e| e.to_string())?;
     if comm.rank() == 0 {
         println!("conformance: ok on {} ranks", comm.world_size());
@@ -100,6 +113,111 @@ fn same_bits_as_local(comm: &Arc<dyn Communicator>) -> Result<(), String> {
     Ok(())
 }
 
+fn err(e: impl std::fmt::Display) -> String {
+    e.to_string()
+}
+
+/// Tags far beyond MPI_TAG_UB (they fold onto MPI tags), sent in one order and received
+/// in another.
+fn wide_tags(comm: &Arc<dyn Communicator>) -> Result<(), String> {
+    let (r, n) = (comm.rank(), comm.world_size());
+    let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
+    let tags = [5u64, (1 << 31) + 5, (1 << 32) + 5, u64::MAX, 1 << 40];
+    for (i, &tag) in tags.iter().enumerate() {
+        let t = Tensor::new(&[r as f64, i as f64], &Device::Cpu).map_err(err)?;
+        comm.send(&t, next, tag).map_err(err)?;
+    }
+    for (i, &tag) in tags.iter().enumerate().rev() {
+        let got = comm
+            .recv(prev, tag)
+            .map_err(err)?
+            .to_vec1::<f64>()
+            .map_err(err)?;
+        if got != [prev as f64, i as f64] {
+            return Err(format!("tag {tag}: got {got:?} from rank {prev}"));
+        }
+    }
+    Ok(())
+}
+
+/// Broadcast to ranks that pass any tensor at all; an all-reduce whose sizes differ
+/// across the one-round (small) and two-round paths fails on every rank.
+fn shapes_that_differ(comm: &Arc<dyn Communicator>) -> Result<(), String> {
+    let (r, n) = (comm.rank(), comm.world_size());
+    let root = n - 1;
+    let mine = if r == root {
+        Tensor::arange(0f64, 3000.0, &Device::Cpu).and_then(|t| t.reshape((30, 100)))
+    } else {
+        Tensor::zeros(1, DType::U8, &Device::Cpu)
+    };
+    let got = comm.broadcast(&mine.map_err(err)?, root).map_err(err)?;
+    if got.dims() != [30, 100] || got.dtype() != DType::F64 {
+        return Err(format!("broadcast gave {:?} {:?}", got.dims(), got.dtype()));
+    }
+    if n > 1 {
+        let len = if r == 0 { 4 } else { 100_000 };
+        let x = Tensor::ones(len, DType::F32, &Device::Cpu).map_err(err)?;
+        match comm.all_reduce(&x, ReduceOp::Sum) {
+            Err(switchyard_comm::CommError::Mismatch { .. }) => {}
+            other => return Err(format!("mixed-size all_reduce: {other:?}")),
+        }
+    }
+    Ok(())
+}
+
+/// Every rank sends 8 MiB to every other rank before receiving anything: sends must not
+/// wait for their receives.
+fn eager_exchange(comm: &Arc<dyn Communicator>) -> Result<(), String> {
+    let (r, n) = (comm.rank(), comm.world_size());
+    let len = 2 << 20;
+    for d in (0..n).filter(|&d| d != r) {
+        let t = Tensor::full((r * n + d) as f32, len, &Device::Cpu).map_err(err)?;
+        comm.send(&t, d, 77).map_err(err)?;
+    }
+    for s in (0..n).filter(|&s| s != r) {
+        let got = comm.recv(s, 77).map_err(err)?;
+        let v = got.to_vec1::<f32>().map_err(err)?;
+        if v.len() != len || v.iter().any(|&x| x != (s * n + r) as f32) {
+            return Err(format!("eager exchange: wrong data from rank {s}"));
+        }
+    }
+    Ok(())
+}
+
+/// One thread all-reduces in one group while another passes messages in another.
+fn concurrent_groups(comm: &Arc<dyn Communicator>) -> Result<(), String> {
+    let (r, n) = (comm.rank(), comm.world_size());
+    let a = comm.split_named(0, r, "a").map_err(err)?;
+    let b = comm.split_named(0, r, "b").map_err(err)?;
+    std::thread::scope(|s| {
+        let reducer = s.spawn(|| -> Result<(), String> {
+            for i in 0..50 {
+                let x = Tensor::full(i as f32, 1000, &Device::Cpu).map_err(err)?;
+                let y = a.all_reduce(&x, ReduceOp::Sum).map_err(err)?;
+                if y.to_vec1::<f32>().map_err(err)?[999] != (i * n) as f32 {
+                    return Err("concurrent all_reduce: wrong sum".into());
+                }
+            }
+            Ok(())
+        });
+        let ring = s.spawn(|| -> Result<(), String> {
+            for i in 0..50u64 {
+                let x = Tensor::new(&[i as f32], &Device::Cpu).map_err(err)?;
+                b.send(&x, (r + 1) % n, i).map_err(err)?;
+                let got = b.recv((r + n - 1) % n, i).map_err(err)?;
+                if got.to_vec1::<f32>().map_err(err)? != [i as f32] {
+                    return Err("concurrent ring: wrong message".into());
+                }
+            }
+            Ok(())
+        });
+        reducer
+            .join()
+            .map_err(|_| "reducer panicked".to_string())??;
+        ring.join().map_err(|_| "ring panicked".to_string())?
+    })
+}
+
 fn exit_mode(comm: &Arc<dyn Communicator>, mode: &str) -> Result<(), String> {
     if comm.rank() == 1 {
         std::thread::sleep(Duration::from_millis(300));
@@ -137,17 +255,24 @@ fn error_mode(comm: &Arc<dyn Communicator>) -> Result<(), String> {
 }
 
 fn timeout_mode(comm: &Arc<dyn Communicator>, mode: &str) -> Result<(), String> {
+    if comm.rank() == 1 && mode == "leave-early" {
+        return Ok(());
+    }
     if comm.rank() == 1 {
         std::thread::sleep(Duration::from_secs(600));
         return Err("rank 1 was not stopped".into());
     }
     let x = Tensor::ones(4, DType::F32, &Device::Cpu).map_err(|e| e.to_string())?;
-    let r = if mode == "timeout-recv" {
+    let r = if mode != "timeout-all-reduce" {
         comm.recv(1, 7).map(drop)
     } else {
         comm.all_reduce(&x, ReduceOp::Sum).map(drop)
     };
     match r {
+        Err(e @ switchyard_comm::CommError::Timeout { .. }) if mode == "timeout-then-return" => {
+            eprintln!("rank {}: {e}; returning from main", comm.rank());
+            Ok(())
+        }
         Err(e @ switchyard_comm::CommError::Timeout { .. }) => {
             // Later operations refuse to run instead of waiting again.
             let again = comm.barrier();

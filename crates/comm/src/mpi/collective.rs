@@ -3,18 +3,24 @@
 //! they differ), then moves the data with non-blocking MPI collectives and reduces with
 //! the crate's rank-ordered kernel.
 
+use std::cmp::Ordering;
 use std::ffi::{c_int, c_void};
-use std::mem::size_of;
-use std::sync::Arc;
+use std::mem::{size_of, MaybeUninit};
 
 use candle_core::{Device, Tensor, WithDType};
 use mpi::ffi;
 
 use super::comm::{count, MpiComm};
-use super::runtime::{Handle, Poll};
-use super::wire::{self, Desc, Op, DESC_WORDS, PART_WORDS};
+use super::runtime::Poll;
+use super::wire::{self, Desc, Op, DESC_WORDS};
 use crate::reduce::{chunk, reduce_into, with_dtype, with_slices};
-use crate::{CommError, Communicator, ReduceOp, Result};
+use crate::{CommError, ReduceOp, Result};
+
+/// Words of data that may ride with a descriptor (1 KiB): all-reduces this small take
+/// one round.
+const INLINE_WORDS: usize = 128;
+/// Words per rank in the descriptor exchange.
+const STRIDE: usize = DESC_WORDS + INLINE_WORDS;
 
 /// Below this many bytes gathered (world size × buffer), all-reduce all-gathers whole
 /// buffers and reduces locally: one round instead of two.
@@ -33,9 +39,23 @@ fn elem_type<T>() -> ffi::MPI_Datatype {
     }
 }
 
-fn null_request() -> ffi::MPI_Request {
+pub(super) fn null_request() -> ffi::MPI_Request {
     // SAFETY: reading MPI's predefined null request.
     unsafe { ffi::RSMPI_REQUEST_NULL }
+}
+
+/// A word buffer viewed as elements of `T` (every dtype the transport moves is plain
+/// data aligned to at most 8 bytes).
+fn elems<T: WithDType>(words: &mut [u64]) -> &mut [T] {
+    let n = std::mem::size_of_val(words) / size_of::<T>();
+    // SAFETY: see above; the length covers the same bytes.
+    unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr().cast::<T>(), n) }
+}
+
+/// # Safety
+/// Only for writing: the caller must not write uninitialised values through the result.
+unsafe fn as_uninit<T>(xs: &mut [T]) -> &mut [MaybeUninit<T>] {
+    &mut *(xs as *mut [T] as *mut [MaybeUninit<T>])
 }
 
 /// The number of elements before `dim` and from `dim` on.
@@ -44,7 +64,7 @@ fn outer_inner(dims: &[usize], dim: usize) -> (usize, usize) {
 }
 
 /// MPI counts and displacements from element counts.
-fn counts(
+pub(super) fn counts(
     op: &'static str,
     c: &MpiComm,
     xs: impl IntoIterator<Item = usize>,
@@ -65,20 +85,37 @@ macro_rules! typed {
 
 impl MpiComm {
     /// Exchanges descriptors; every rank returns `Mismatch` if any two differ.
-    fn agree(&self, desc: &Desc, poll: &Poll) -> Result<Vec<Desc>> {
+    pub(super) fn agree(&self, desc: &Desc, poll: &Poll) -> Result<Vec<Desc>> {
+        self.exchange(desc, None, poll).map(|(descs, _)| descs)
+    }
+
+    /// [`MpiComm::agree`], with up to [`INLINE_WORDS`] words of `inline` data from every
+    /// rank riding along: returns the descriptors and everything gathered (rank `r`'s
+    /// data at `r * STRIDE + DESC_WORDS`). Every collective exchanges the same number of
+    /// words here, whatever it is, so that ranks that disagree can tell.
+    fn exchange(
+        &self,
+        desc: &Desc,
+        inline: Option<&Tensor>,
+        poll: &Poll,
+    ) -> Result<(Vec<Desc>, Vec<u64>)> {
         let op = desc.op.name();
         self.rt.check(op, self.global(), self.group())?;
-        let mine = desc.encode().map_err(|e| self.invalid(op, e))?;
-        let mut all: Vec<u64> = vec![0; self.n * DESC_WORDS];
+        let mut mine = desc.encode().map_err(|e| self.invalid(op, e))?;
+        mine.resize(STRIDE, 0);
+        if let Some(t) = inline {
+            wire::write_data(t, &mut mine[DESC_WORDS..]).map_err(|e| self.backend(op, e))?;
+        }
+        let mut all: Vec<u64> = vec![0; self.n * STRIDE];
         let mut req = null_request();
         // SAFETY: both buffers are kept alive by `wait`.
         self.mpi(op, || unsafe {
             ffi::MPI_Iallgather(
                 mine.as_ptr() as *const c_void,
-                DESC_WORDS as c_int,
+                STRIDE as c_int,
                 ffi::RSMPI_UINT64_T,
                 all.as_mut_ptr() as *mut c_void,
-                DESC_WORDS as c_int,
+                STRIDE as c_int,
                 ffi::RSMPI_UINT64_T,
                 self.comm.0,
                 &mut req,
@@ -86,8 +123,8 @@ impl MpiComm {
         })?;
         let (_, all) = self.wait(op, self.group(), poll, vec![req], (mine, all))?;
         let descs = all
-            .chunks(DESC_WORDS)
-            .map(Desc::decode)
+            .chunks(STRIDE)
+            .map(|w| Desc::decode(&w[..DESC_WORDS]))
             .collect::<std::result::Result<Vec<_>, _>>()
             .map_err(|e| self.backend(op, e))?;
         let first = descs[0].call();
@@ -100,10 +137,10 @@ impl MpiComm {
                 ));
             }
         }
-        Ok(descs)
+        Ok((descs, all))
     }
 
-    fn mismatch(&self, op: &'static str, reason: String) -> CommError {
+    pub(super) fn mismatch(&self, op: &'static str, reason: String) -> CommError {
         CommError::Mismatch {
             op,
             rank: self.global(),
@@ -128,7 +165,7 @@ impl MpiComm {
     }
 
     /// A group of one only checks that this process has not failed.
-    fn alone(&self, op: &'static str) -> Result<bool> {
+    pub(super) fn alone(&self, op: &'static str) -> Result<bool> {
         self.rt.check(op, self.global(), self.group())?;
         Ok(self.n == 1)
     }
@@ -140,17 +177,37 @@ impl MpiComm {
             return Ok(x);
         }
         let poll = Poll::new(self.rt.timeout);
-        self.agree(
-            &Desc {
-                reduce: Some(op),
-                ..Desc::of(Op::AllReduce, &x)
-            },
-            &poll,
-        )?;
-        if x.elem_count() == 0 {
-            return Ok(x);
+        let desc = Desc {
+            reduce: Some(op),
+            ..Desc::of(Op::AllReduce, &x)
+        };
+        if wire::data_words(&x) <= INLINE_WORDS {
+            // Small enough to ride with the descriptors: one round in all.
+            let (_, all) = self.exchange(&desc, Some(&x), &poll)?;
+            return typed!(self, OP, x.dtype(), T => {
+                let v = self.reduce_inline::<T>(all, x.elem_count(), op);
+                self.tensor(OP, v, x.dims())
+            });
         }
-        let out = typed!(self, OP, x.dtype(), T => self.all_reduce_t::<T>(&x, op, &poll).and_then(|v| self.tensor(OP, v, x.dims())));
+        self.agree(&desc, &poll)?;
+        typed!(self, OP, x.dtype(), T => {
+            let v = self.all_reduce_t::<T>(&x, op, &poll);
+            v.and_then(|v| self.tensor(OP, v, x.dims()))
+        })
+    }
+
+    /// Reduces, in rank order, the `len` elements every rank sent with its descriptor.
+    fn reduce_inline<T: WithDType>(&self, mut all: Vec<u64>, len: usize, op: ReduceOp) -> Vec<T> {
+        let per = STRIDE * 8 / size_of::<T>();
+        let at = DESC_WORDS * 8 / size_of::<T>();
+        let view = elems::<T>(&mut all);
+        let inputs: Vec<&[T]> = (0..self.n)
+            .map(|r| &view[r * per + at..r * per + at + len])
+            .collect();
+        let mut out: Vec<T> = Vec::with_capacity(len);
+        reduce_into(&inputs, 0, &mut out.spare_capacity_mut()[..len], op);
+        // SAFETY: `reduce_into` wrote every element.
+        unsafe { out.set_len(len) };
         out
     }
 
@@ -188,24 +245,34 @@ impl MpiComm {
                 unsafe { out.set_len(len) };
                 return Ok(out);
             }
-            // Reduce-scatter: rank r receives the r-th chunk of every input...
+            // Reduce-scatter: rank r receives the r-th chunk of every other input into
+            // the group's scratch buffer...
             let bounds: Vec<(usize, usize)> =
                 (0..n).map(|d| chunk(len, n, d, size_of::<T>())).collect();
             let sizes = counts(OP, self, bounds.iter().map(|&(s, e)| e - s))?;
             let starts = counts(OP, self, bounds.iter().map(|&(s, _)| s))?;
             let (s0, e0) = bounds[me];
             let m = e0 - s0;
-            let recv_sizes = counts(OP, self, (0..n).map(|_| m))?;
+            let others = |d: usize, k: usize| if d == me { 0 } else { k };
+            let send_sizes = counts(
+                OP,
+                self,
+                bounds
+                    .iter()
+                    .enumerate()
+                    .map(|(d, &(s, e))| others(d, e - s)),
+            )?;
+            let recv_sizes = counts(OP, self, (0..n).map(|s| others(s, m)))?;
             let recv_starts = counts(OP, self, (0..n).map(|s| s * m))?;
-            let mut recv: Vec<T> = Vec::with_capacity(n * m);
+            let mut scratch = self.take_scratch((n * m * size_of::<T>()).div_ceil(8));
             // SAFETY: every buffer and count array is kept alive by `wait`.
             self.mpi(OP, || unsafe {
                 ffi::MPI_Ialltoallv(
                     xs.as_ptr() as *const c_void,
-                    sizes.as_ptr(),
+                    send_sizes.as_ptr(),
                     starts.as_ptr(),
                     dt,
-                    recv.as_mut_ptr() as *mut c_void,
+                    scratch.as_mut_ptr() as *mut c_void,
                     recv_sizes.as_ptr(),
                     recv_starts.as_ptr(),
                     dt,
@@ -213,28 +280,29 @@ impl MpiComm {
                     &mut req,
                 )
             })?;
-            let (mut recv, ..) = self.wait(
-                OP,
-                self.group(),
-                poll,
-                vec![req],
-                (recv, recv_sizes, recv_starts, x.clone()),
-            )?;
-            // SAFETY: the all-to-all wrote `m` elements from each of the `n` ranks.
-            unsafe { recv.set_len(n * m) };
-            // ...and reduces it in rank order,
-            let inputs: Vec<&[T]> = (0..n).map(|s| &recv[s * m..(s + 1) * m]).collect();
-            let mut mine: Vec<T> = Vec::with_capacity(m);
-            reduce_into(&inputs, 0, &mut mine.spare_capacity_mut()[..m], op);
-            // SAFETY: `reduce_into` wrote every element.
-            unsafe { mine.set_len(m) };
-            // then every rank gathers every reduced chunk.
+            let keep = (scratch, send_sizes, recv_sizes, recv_starts, x.clone());
+            let (mut scratch, ..) = self.wait(OP, self.group(), poll, vec![req], keep)?;
+            // ...reduces it with its own chunk, in rank order, into its own slot...
+            let slots = &mut elems::<T>(&mut scratch)[..n * m];
+            let (before, rest) = slots.split_at_mut(me * m);
+            let (mine, after) = rest.split_at_mut(m);
+            let inputs: Vec<&[T]> = (0..n)
+                .map(|s| match s.cmp(&me) {
+                    Ordering::Less => &before[s * m..(s + 1) * m],
+                    Ordering::Equal => &xs[s0..e0],
+                    Ordering::Greater => &after[(s - me - 1) * m..(s - me) * m],
+                })
+                .collect();
+            // SAFETY: initialised `T`s viewed as possibly uninitialised ones.
+            reduce_into(&inputs, 0, unsafe { as_uninit(mine) }, op);
+            let mine = mine.as_ptr();
+            // ...then every rank gathers every reduced chunk.
             let mut req = null_request();
             let c = count(m).map_err(|e| self.backend(OP, e))?;
             // SAFETY: every buffer and count array is kept alive by `wait`.
             self.mpi(OP, || unsafe {
                 ffi::MPI_Iallgatherv(
-                    mine.as_ptr() as *const c_void,
+                    mine as *const c_void,
                     c,
                     dt,
                     out.as_mut_ptr() as *mut c_void,
@@ -245,13 +313,9 @@ impl MpiComm {
                     &mut req,
                 )
             })?;
-            let (mut out, ..) = self.wait(
-                OP,
-                self.group(),
-                poll,
-                vec![req],
-                (out, mine, sizes, starts),
-            )?;
+            let keep = (out, scratch, sizes, starts);
+            let (mut out, scratch, ..) = self.wait(OP, self.group(), poll, vec![req], keep)?;
+            self.put_scratch(scratch);
             // SAFETY: the chunks cover 0..len.
             unsafe { out.set_len(len) };
             Ok(out)
@@ -275,8 +339,10 @@ impl MpiComm {
         )?;
         let mut dims = x.dims().to_vec();
         dims[dim] *= self.n;
-        let out = typed!(self, OP, x.dtype(), T => self.all_gather_t::<T>(&x, dim, &poll).and_then(|v| self.tensor(OP, v, &dims)));
-        out
+        typed!(self, OP, x.dtype(), T => {
+            let v = self.all_gather_t::<T>(&x, dim, &poll);
+            v.and_then(|v| self.tensor(OP, v, &dims))
+        })
     }
 
     fn all_gather_t<T: WithDType>(&self, x: &Tensor, dim: usize, poll: &Poll) -> Result<Vec<T>> {
@@ -352,8 +418,10 @@ impl MpiComm {
         self.agree(&desc, &poll)?;
         let mut dims = x.dims().to_vec();
         dims[dim] /= n;
-        let out = typed!(self, OP, x.dtype(), T => self.reduce_scatter_t::<T>(&x, dim, op, &poll).and_then(|v| self.tensor(OP, v, &dims)));
-        out
+        typed!(self, OP, x.dtype(), T => {
+            let v = self.reduce_scatter_t::<T>(&x, dim, op, &poll);
+            v.and_then(|v| self.tensor(OP, v, &dims))
+        })
     }
 
     fn reduce_scatter_t<T: WithDType>(
@@ -364,7 +432,7 @@ impl MpiComm {
         poll: &Poll,
     ) -> Result<Vec<T>> {
         const OP: &str = "reduce_scatter";
-        let (n, dt) = (self.n, elem_type::<T>());
+        let (n, me, dt) = (self.n, self.me, elem_type::<T>());
         let (outer, inner) = outer_inner(x.dims(), dim);
         let piece = inner / n;
         let block = outer * piece;
@@ -391,27 +459,37 @@ impl MpiComm {
             } else {
                 packed.as_ptr()
             };
-            let c = count(block).map_err(|e| self.backend(OP, e))?;
-            let mut recv: Vec<T> = Vec::with_capacity(n * block);
+            // Every block but this rank's own goes through the group's scratch buffer.
+            let others = |d: usize| if d == me { 0 } else { block };
+            let sizes = counts(OP, self, (0..n).map(others))?;
+            let starts = counts(OP, self, (0..n).map(|d| d * block))?;
+            let mut scratch = self.take_scratch((n * block * size_of::<T>()).div_ceil(8));
             let mut req = null_request();
             // SAFETY: `xs` is borrowed for this call; the other buffers are kept alive by `wait`.
             self.mpi(OP, || unsafe {
-                ffi::MPI_Ialltoall(
+                ffi::MPI_Ialltoallv(
                     send as *const c_void,
-                    c,
+                    sizes.as_ptr(),
+                    starts.as_ptr(),
                     dt,
-                    recv.as_mut_ptr() as *mut c_void,
-                    c,
+                    scratch.as_mut_ptr() as *mut c_void,
+                    sizes.as_ptr(),
+                    starts.as_ptr(),
                     dt,
                     self.comm.0,
                     &mut req,
                 )
             })?;
-            let (mut recv, ..) =
-                self.wait(OP, self.group(), poll, vec![req], (recv, packed, x.clone()))?;
-            // SAFETY: the all-to-all wrote `block` elements from each rank.
-            unsafe { recv.set_len(n * block) };
-            let inputs: Vec<&[T]> = recv.chunks(block).collect();
+            let keep = (scratch, packed, sizes, starts, x.clone());
+            let (mut scratch, packed, ..) = self.wait(OP, self.group(), poll, vec![req], keep)?;
+            let own = if outer == 1 { xs } else { &packed[..] };
+            let blocks = &elems::<T>(&mut scratch)[..n * block];
+            let inputs: Vec<&[T]> = (0..n)
+                .map(|s| {
+                    let src = if s == me { own } else { blocks };
+                    &src[s * block..(s + 1) * block]
+                })
+                .collect();
             let mut out: Vec<T> = Vec::with_capacity(block);
             let spare = out.spare_capacity_mut();
             for o in 0..outer {
@@ -422,6 +500,7 @@ impl MpiComm {
                     op,
                 );
             }
+            self.put_scratch(scratch);
             // SAFETY: the loop wrote every element.
             unsafe { out.set_len(block) };
             Ok(out)
@@ -507,182 +586,5 @@ impl MpiComm {
             unsafe { buf.set_len(len) };
         }
         self.tensor(OP, buf, dims)
-    }
-
-    pub(super) fn all_to_all_impl(&self, parts: Vec<Tensor>) -> Result<Vec<Tensor>> {
-        const OP: &str = "all_to_all";
-        let n = self.n;
-        if parts.len() != n {
-            return Err(self.invalid(
-                OP,
-                format!("{} parts given for a group of size {n}", parts.len()),
-            ));
-        }
-        let parts = parts
-            .iter()
-            .map(|p| self.contiguous(OP, p))
-            .collect::<Result<Vec<_>>>()?;
-        let mut headers: Vec<u64> = Vec::with_capacity(n * PART_WORDS);
-        for p in &parts {
-            headers.extend(wire::part_header(p).map_err(|e| self.invalid(OP, e))?);
-        }
-        if self.alone(OP)? {
-            return Ok(parts);
-        }
-        let poll = Poll::new(self.rt.timeout);
-        self.agree(&Desc::new(Op::AllToAll), &poll)?;
-        // Shapes first, so that every receiver can size its buffers.
-        let mut theirs: Vec<u64> = vec![0; n * PART_WORDS];
-        let mut req = null_request();
-        // SAFETY: both buffers are kept alive by `wait`.
-        self.mpi(OP, || unsafe {
-            ffi::MPI_Ialltoall(
-                headers.as_ptr() as *const c_void,
-                PART_WORDS as c_int,
-                ffi::RSMPI_UINT64_T,
-                theirs.as_mut_ptr() as *mut c_void,
-                PART_WORDS as c_int,
-                ffi::RSMPI_UINT64_T,
-                self.comm.0,
-                &mut req,
-            )
-        })?;
-        let (_, theirs) = self.wait(OP, self.group(), &poll, vec![req], (headers, theirs))?;
-        let incoming = theirs
-            .chunks(PART_WORDS)
-            .map(wire::read_part_header)
-            .collect::<std::result::Result<Vec<_>, _>>()
-            .map_err(|e| self.backend(OP, e))?;
-        // Then the data, every part padded to whole words.
-        let send_words: Vec<usize> = parts.iter().map(wire::data_words).collect();
-        let recv_words: Vec<usize> = incoming.iter().map(|p| p.2).collect();
-        let offsets = |w: &[usize]| {
-            w.iter()
-                .scan(0, |acc, &x| {
-                    let s = *acc;
-                    *acc += x;
-                    Some(s)
-                })
-                .collect::<Vec<_>>()
-        };
-        let (send_at, recv_at) = (offsets(&send_words), offsets(&recv_words));
-        let mut send: Vec<u64> = vec![0; send_words.iter().sum()];
-        for (p, (&at, &w)) in parts.iter().zip(send_at.iter().zip(&send_words)) {
-            wire::write_data(p, &mut send[at..at + w]).map_err(|e| self.backend(OP, e))?;
-        }
-        let mut recv: Vec<u64> = vec![0; recv_words.iter().sum()];
-        let arrays = [
-            counts(OP, self, send_words.iter().copied())?,
-            counts(OP, self, send_at.iter().copied())?,
-            counts(OP, self, recv_words.iter().copied())?,
-            counts(OP, self, recv_at.iter().copied())?,
-        ];
-        let mut req = null_request();
-        // SAFETY: every buffer and count array is kept alive by `wait`.
-        self.mpi(OP, || unsafe {
-            ffi::MPI_Ialltoallv(
-                send.as_ptr() as *const c_void,
-                arrays[0].as_ptr(),
-                arrays[1].as_ptr(),
-                ffi::RSMPI_UINT64_T,
-                recv.as_mut_ptr() as *mut c_void,
-                arrays[2].as_ptr(),
-                arrays[3].as_ptr(),
-                ffi::RSMPI_UINT64_T,
-                self.comm.0,
-                &mut req,
-            )
-        })?;
-        let (_, recv, _) = self.wait(OP, self.group(), &poll, vec![req], (send, recv, arrays))?;
-        incoming
-            .iter()
-            .zip(recv_at)
-            .map(|((dtype, dims, w), at)| {
-                wire::read_data(&recv[at..at + w], *dtype, dims).map_err(|e| self.backend(OP, e))
-            })
-            .collect()
-    }
-
-    pub(super) fn barrier_impl(&self) -> Result<()> {
-        if self.alone("barrier")? {
-            return Ok(());
-        }
-        self.agree(&Desc::new(Op::Barrier), &Poll::new(self.rt.timeout))
-            .map(drop)
-    }
-
-    pub(super) fn split_impl(
-        &self,
-        color: usize,
-        key: usize,
-        name: &str,
-    ) -> Result<Arc<dyn Communicator>> {
-        const OP: &str = "split";
-        let desc = Desc {
-            color_key: (color, key),
-            ..Desc::new(Op::Split)
-        };
-        let descs = if self.n == 1 {
-            self.rt.check(OP, self.global(), self.group())?;
-            vec![desc]
-        } else {
-            self.agree(&desc, &Poll::new(self.rt.timeout))?
-        };
-        // Every rank sees every (colour, key), so every rank finds the same problem.
-        let mut colors: Vec<usize> = descs.iter().map(|d| d.color_key.0).collect();
-        colors.sort_unstable();
-        colors.dedup();
-        for &c in &colors {
-            let mut ranks: Vec<(usize, usize)> = descs
-                .iter()
-                .enumerate()
-                .filter(|(_, d)| d.color_key.0 == c)
-                .map(|(r, d)| (d.color_key.1, r))
-                .collect();
-            ranks.sort_unstable();
-            if let Some(w) = ranks.windows(2).find(|w| w[0].0 == w[1].0) {
-                return Err(self.mismatch(
-                    OP,
-                    format!(
-                        "ranks {} and {} both asked for key {} in colour {c}",
-                        w[0].1, w[1].1, w[0].0
-                    ),
-                ));
-            }
-        }
-        let mut mine: Vec<(usize, usize)> = descs
-            .iter()
-            .enumerate()
-            .filter(|(_, d)| d.color_key.0 == color)
-            .map(|(r, d)| (d.color_key.1, r))
-            .collect();
-        mine.sort_unstable();
-        let me = mine
-            .iter()
-            .position(|&(_, r)| r == self.me)
-            .expect("a rank is in its own colour");
-        let members: Vec<usize> = mine.iter().map(|&(_, r)| self.members()[r]).collect();
-        // Dense colours and keys: MPI wants non-negative ints and orders by (key, rank).
-        let c = colors.binary_search(&color).expect("own colour") as c_int;
-        // SAFETY: reading MPI's predefined null communicator.
-        let mut new = Handle(unsafe { ffi::RSMPI_COMM_NULL });
-        // SAFETY: every rank of the group has passed `agree`, so all of them call split.
-        self.mpi(OP, || unsafe {
-            ffi::MPI_Comm_split(self.comm.0, c, me as c_int, &mut new.0)
-        })?;
-        if let Ok(cname) = std::ffi::CString::new(name) {
-            // SAFETY: a valid communicator and NUL-terminated name; MPI copies it.
-            let _ = self
-                .rt
-                .call(|| unsafe { ffi::MPI_Comm_set_name(new.0, cname.as_ptr()) });
-        }
-        Ok(Arc::new(MpiComm::new(
-            self.rt.clone(),
-            new,
-            true,
-            me,
-            members,
-            name.to_string(),
-        )))
     }
 }

@@ -4,7 +4,8 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::ffi::c_int;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::time::Duration;
 
 use candle_core::Tensor;
 use mpi::ffi;
@@ -35,6 +36,9 @@ pub(super) struct MpiComm {
     sends: Mutex<Vec<PendingSend>>,
     /// Messages received for another full tag that folded onto the same MPI tag.
     stash: Mutex<HashMap<(usize, Tag), VecDeque<Tensor>>>,
+    /// Reused by large collectives (as large as the largest so far), so that they do not
+    /// fault in fresh pages on every call.
+    scratch: Mutex<Vec<u64>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -47,18 +51,28 @@ pub(super) fn count(n: usize) -> std::result::Result<c_int, String> {
         .map_err(|_| format!("{n} elements exceed MPI's count limit of {}", c_int::MAX))
 }
 
-/// Starts MPI (once) and returns a handle on the world.
+/// The world communicator while anyone holds it: every `init` returns this one, so that
+/// all handles on the world share its pending sends and set-aside messages.
+static WORLD: Mutex<Weak<MpiComm>> = Mutex::new(Weak::new());
+
+/// Starts MPI (once) and returns the world.
 pub(super) fn world(config: MpiConfig) -> Result<Arc<dyn Communicator>> {
+    let mut world = lock(&WORLD);
+    if let Some(w) = world.upgrade() {
+        return Ok(w);
+    }
     let rt = Runtime::get(config)?;
     let n = rt.world_size;
-    Ok(Arc::new(MpiComm::new(
+    let w = Arc::new(MpiComm::new(
         rt.clone(),
         rt.world(),
         false,
         rt.world_rank,
         (0..n).collect(),
         "world".into(),
-    )))
+    ));
+    *world = Arc::downgrade(&w);
+    Ok(w)
 }
 
 impl MpiComm {
@@ -83,6 +97,7 @@ impl MpiComm {
             label,
             sends: Mutex::new(Vec::new()),
             stash: Mutex::new(HashMap::new()),
+            scratch: Mutex::new(Vec::new()),
         }
     }
 
@@ -184,6 +199,25 @@ impl MpiComm {
         Err(err)
     }
 
+    /// The group's scratch buffer, at least `words` long. Give it back with
+    /// [`MpiComm::put_scratch`] (a buffer MPI may still touch after a timeout is leaked
+    /// instead, and the next call allocates a new one).
+    pub fn take_scratch(&self, words: usize) -> Vec<u64> {
+        let v = std::mem::take(&mut *lock(&self.scratch));
+        if v.len() >= words {
+            v
+        } else {
+            vec![0; words]
+        }
+    }
+
+    pub fn put_scratch(&self, v: Vec<u64>) {
+        let mut s = lock(&self.scratch);
+        if v.len() >= s.len() {
+            *s = v;
+        }
+    }
+
     /// Forgets sends that have completed. Also drives MPI's progress.
     fn reap(&self) -> Result<()> {
         let mut sends = lock(&self.sends);
@@ -268,23 +302,33 @@ impl MpiComm {
 
 impl Drop for MpiComm {
     fn drop(&mut self) {
-        // Drain the sends still in flight: their receivers may not have posted yet.
-        let poll = Poll::new(self.rt.timeout);
+        // Drain the sends still in flight: their receivers may not have posted yet. After
+        // a failure nobody may receive them: leak them at once.
+        let timeout = if self.rt.failed() {
+            Duration::ZERO
+        } else {
+            self.rt.timeout
+        };
+        let poll = Poll::new(timeout);
         let drained = self.rt.poll(&poll, || {
             self.reap().map_err(|e| e.to_string())?;
             Ok(lock(&self.sends).is_empty())
         });
         if !matches!(drained, Ok(true)) {
             let left = std::mem::take(&mut *lock(&self.sends));
-            eprintln!(
-                "switchyard-comm: rank {}: {} send(s) on group {} were never received \
+            if self.rt.failed() {
+                std::mem::forget(left);
+            } else {
+                eprintln!(
+                    "switchyard-comm: rank {}: {} send(s) on group {} were never received \
                  (after {:?}); their buffers are leaked",
-                self.global(),
-                left.len(),
-                self.label,
-                poll.timeout
-            );
-            std::mem::forget(left);
+                    self.global(),
+                    left.len(),
+                    self.label,
+                    poll.timeout
+                );
+                std::mem::forget(left);
+            }
         }
         if self.owned {
             let mut c = self.comm.0;

@@ -140,6 +140,11 @@ impl Runtime {
         }
     }
 
+    /// Whether this process has failed (an operation timed out or MPI failed).
+    pub fn failed(&self) -> bool {
+        lock(&self.failure).is_some()
+    }
+
     /// Records the first failure of this process.
     pub fn fail(&self, err: &CommError) {
         let mut f = lock(&self.failure);
@@ -176,8 +181,15 @@ impl Runtime {
 
 impl Drop for Runtime {
     fn drop(&mut self) {
+        let universe = lock(&self.universe).take();
+        if self.failed() {
+            // An abandoned operation may still be in flight, and MPI_Finalize could wait
+            // for it forever. Exiting without finalising makes mpirun end the job.
+            std::mem::forget(universe);
+            return;
+        }
         // MPI_Finalize: every communicator (and its sends) is gone by now.
-        lock(&self.universe).take();
+        drop(universe);
         WORLD_RANK.store(usize::MAX, Ordering::Release);
     }
 }

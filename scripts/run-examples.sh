@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Builds and runs every example at its default (tiny) size: one per tutorial chapter in
+# examples/, and the example of switchyard-schedule. Examples whose name contains "mpi"
+# need mpirun and are skipped. Each example checks what it demonstrates and exits
+# non-zero if something is wrong; this script stops at the first failure.
+#
+#   scripts/run-examples.sh            # release build (what CI runs)
+#   scripts/run-examples.sh --debug    # the dev profile
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+profile=release
+flag=--release
+if [[ "${1:-}" == "--debug" ]]; then
+    profile=debug
+    flag=
+fi
+
+echo "== build (${profile})"
+# shellcheck disable=SC2086
+cargo build $flag --examples
+# shellcheck disable=SC2086
+cargo build $flag -p switchyard-schedule --example schedule
+
+target="${CARGO_TARGET_DIR:-target}/${profile}/examples"
+out="$(mktemp -d)"
+trap 'rm -rf "$out"' EXIT
+
+run() {
+    local name="$1"
+    shift
+    local start ms
+    start=$(date +%s%N)
+    if ! "$target/$name" "$@" >"$out/$name.log" 2>&1; then
+        cat "$out/$name.log"
+        echo "FAILED: example $name" >&2
+        exit 1
+    fi
+    ms=$((($(date +%s%N) - start) / 1000000))
+    printf '%-18s ok  %3d.%02d s\n' "$name" $((ms / 1000)) $((ms % 1000 / 10))
+}
+
+echo "== run"
+for src in examples/*.rs; do
+    name="$(basename "$src" .rs)"
+    if [[ "$name" == *mpi* ]]; then
+        echo "$name: skipped (needs mpirun)"
+        continue
+    fi
+    run "$name"
+done
+run schedule --kind zb-h1 --stages 4 --microbatches 8
+echo "== all examples passed"
