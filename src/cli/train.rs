@@ -22,7 +22,8 @@ pub struct TrainArgs {
     /// Tensor-parallel ranks
     #[arg(long)]
     pub tp: Option<usize>,
-    /// gpipe, 1f1b, interleaved or zb-h1
+    /// gpipe, 1f1b, interleaved (2 virtual stages unless --virtual-stages), zb-h1, or
+    /// the path of a CSV schedule (one row per pipeline rank: `0,0F0,0F1,0B0,0B1`)
     #[arg(long)]
     pub schedule: Option<String>,
     /// Microbatches per step on each replica
@@ -164,6 +165,10 @@ pub fn resolve(a: &TrainArgs) -> anyhow::Result<(TrainConfig, Option<PathBuf>, T
         threads_per_worker => threads_per_worker, comm_timeout => comm_timeout_secs);
     if a.tied {
         c.model.tied_embeddings = true;
+    }
+    // Interleaving with one chunk per rank is plain 1F1B: default to two.
+    if c.schedule == "interleaved" && a.virtual_stages.is_none() && c.virtual_stages == 1 {
+        c.virtual_stages = 2;
     }
     if a.lr.is_some() && a.min_lr.is_none() && c.min_lr > c.lr {
         c.min_lr = c.lr / 10.0;

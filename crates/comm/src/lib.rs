@@ -48,8 +48,11 @@
 //! assert_eq!(sums, vec![vec![6.0, 4.0]; 4]);
 //! ```
 //!
-//! The tutorial chapters that use this crate are `docs/tutorial/04-3d-parallelism.md`
-//! and `docs/tutorial/08-mpi.md`.
+//! ## Tutorials
+//!
+//! * [Chapter 4, "Putting it together: dp × pp × tp"](https://github.com/switchyard-rs/switchyard/blob/main/docs/tutorial/04-3d-parallelism.md):
+//!   the mesh, its rank order and its groups (example `layout_3d`).
+//! * [Chapter 8, "Many machines with MPI"](https://github.com/switchyard-rs/switchyard/blob/main/docs/tutorial/08-mpi.md): the MPI backend.
 
 use std::sync::Arc;
 

@@ -3,7 +3,10 @@
 use serde::{Deserialize, Serialize};
 
 /// A GPT-2 style model. The vocabulary is bytes (256) unless a config says otherwise.
+/// In a config file every field is optional (the rest come from [`GptConfig::default`])
+/// and unknown fields are refused.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct GptConfig {
     pub vocab_size: usize,
     /// The longest sequence the position table covers.
@@ -13,6 +16,20 @@ pub struct GptConfig {
     pub d_model: usize,
     /// Share the token embedding with the LM head.
     pub tied_embeddings: bool,
+}
+
+impl Default for GptConfig {
+    /// The model `switchyard train` trains by default: 4 layers, d 128, 4 heads, bytes.
+    fn default() -> Self {
+        GptConfig {
+            vocab_size: 256,
+            block_size: 64,
+            n_layer: 4,
+            n_head: 4,
+            d_model: 128,
+            tied_embeddings: false,
+        }
+    }
 }
 
 impl GptConfig {

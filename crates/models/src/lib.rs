@@ -32,8 +32,12 @@
 //! assert!(loss.to_scalar::<f32>().unwrap() > 5.0); // about ln 256 at initialisation
 //! ```
 //!
-//! Tutorials: `docs/tutorial/04-3d-parallelism.md` (the GPT's layout) and
-//! `docs/tutorial/05-bring-your-own-model.md`.
+//! ## Tutorials
+//!
+//! * [Chapter 4, "Putting it together: dp × pp × tp"](https://github.com/switchyard-rs/switchyard/blob/main/docs/tutorial/04-3d-parallelism.md):
+//!   the GPT on a `dp × pp × tp` mesh, and choosing a layout.
+//! * [Chapter 5, "Bring your own model"](https://github.com/switchyard-rs/switchyard/blob/main/docs/tutorial/05-bring-your-own-model.md): a
+//!   model of your own as pipeline stages, with a parallel plan like [`plan::GPT_TP_PLAN`].
 
 mod config;
 mod gpt;

@@ -9,21 +9,37 @@ use switchyard_models::plan::gpt_spec;
 use switchyard_models::{gpt_layer_costs, plan_stages, GptConfig, GptStage, SplitSpec};
 use switchyard_shard::{ParamSource, ParamStore};
 
-fn names_of_stage(cfg: &GptConfig, stages: usize, split: &SplitSpec, s: usize) -> Vec<(String, Vec<usize>)> {
+fn names_of_stage(
+    cfg: &GptConfig,
+    stages: usize,
+    split: &SplitSpec,
+    s: usize,
+) -> Vec<(String, Vec<usize>)> {
     let plans = plan_stages(cfg.n_layer, stages, split, &gpt_layer_costs(cfg, 16)).unwrap();
     let store = ParamStore::new(DType::F32, 0, 1, ParamSource::Init { seed: 1 }).unwrap();
     GptStage::new(cfg, &plans[s], &store, switchyard_shard::single_device()).unwrap();
-    store.params().into_iter().map(|p| (p.name, p.full_shape)).collect()
+    store
+        .params()
+        .into_iter()
+        .map(|p| (p.name, p.full_shape))
+        .collect()
 }
 
 #[test]
 fn every_parameter_follows_the_declared_tensor_parallel_plan() {
     let cfg = GptConfig::tiny(2);
     let specs = local::launch(2, |tp| {
-        let plans = plan_stages(cfg.n_layer, 1, &SplitSpec::Even, &gpt_layer_costs(&cfg, 16)).unwrap();
+        let plans =
+            plan_stages(cfg.n_layer, 1, &SplitSpec::Even, &gpt_layer_costs(&cfg, 16)).unwrap();
         let store = ParamStore::for_group(&*tp, DType::F32, ParamSource::Init { seed: 1 })?;
         GptStage::new(&cfg, &plans[0], &store, tp.clone())?;
-        Ok::<_, candle_core::Error>(store.params().into_iter().map(|p| (p.name, p.spec)).collect::<Vec<_>>())
+        Ok::<_, candle_core::Error>(
+            store
+                .params()
+                .into_iter()
+                .map(|p| (p.name, p.spec))
+                .collect::<Vec<_>>(),
+        )
     })
     .unwrap();
     for (name, spec) in &specs[0] {
@@ -38,14 +54,23 @@ fn any_split_builds_every_parameter_exactly_once() {
         let mut cfg = GptConfig::tiny(5);
         cfg.tied_embeddings = tied;
         let want: HashMap<String, Vec<usize>> = cfg.param_shapes().into_iter().collect();
-        for (stages, split) in [(1, "even"), (2, "1,4"), (2, "3,2"), (3, "balanced"), (5, "even")] {
+        for (stages, split) in [
+            (1, "even"),
+            (2, "1,4"),
+            (2, "3,2"),
+            (3, "balanced"),
+            (5, "even"),
+        ] {
             let split: SplitSpec = split.parse().unwrap();
             let mut seen: HashMap<String, Vec<usize>> = HashMap::new();
             for s in 0..stages {
                 for (name, shape) in names_of_stage(&cfg, stages, &split, s) {
                     // A tied table is held by the first and the last stage.
                     let again = seen.insert(name.clone(), shape);
-                    assert!(again.is_none() || (tied && name == "transformer.wte.weight"), "{name} built twice");
+                    assert!(
+                        again.is_none() || (tied && name == "transformer.wte.weight"),
+                        "{name} built twice"
+                    );
                 }
             }
             assert_eq!(seen, want, "stages {stages} split {split}");

@@ -20,7 +20,10 @@
 //!   `loss · loss_scale`. The input gradient is sent on (or handed to the previous stage
 //!   on this rank), parameter gradients are accumulated over microbatches, and the stash
 //!   entry is dropped, so its activations are freed at once. A split backward keeps the
-//!   parameter gradients of `I` until its `W` adds them in.
+//!   parameter gradients of `I` until its `W` adds them in: `I` runs the stage's whole
+//!   backward in one autograd pass (candle cannot compute input gradients alone), so the
+//!   schedule's order is kept but `W` costs almost nothing. The activation count still
+//!   runs until `W`, as the simulator counts it.
 //! * `SF`/`RF`/`SB`/`RB`: point-to-point messages over the pipeline communicator, tagged
 //!   with [`switchyard_schedule::tag`].
 //!
@@ -51,8 +54,14 @@
 //! assert_eq!(results, vec![0, 4]); // the last stage saw every microbatch's loss
 //! ```
 //!
-//! Tutorial: `docs/tutorial/02-pipeline-parallelism.md` and, for custom schedules,
-//! `docs/tutorial/06-custom-schedule.md`.
+//! ## Tutorials
+//!
+//! * [Chapter 2, "Pipeline parallelism"](https://github.com/switchyard-rs/switchyard/blob/main/docs/tutorial/02-pipeline-parallelism.md):
+//!   every schedule run on threads against a serial chain (example `pipeline`), and how
+//!   `I` and `W` are executed.
+//! * [Chapter 5, "Bring your own model"](https://github.com/switchyard-rs/switchyard/blob/main/docs/tutorial/05-bring-your-own-model.md): a
+//!   [`Stage`] of your own, pipelined and tensor-parallel (example `own_model`).
+//! * [Chapter 6, "A custom schedule as CSV"](https://github.com/switchyard-rs/switchyard/blob/main/docs/tutorial/06-custom-schedule.md).
 
 mod executor;
 mod stage;

@@ -43,6 +43,16 @@
 //! print!("{}", render_text(&timeline));
 //! # Ok::<(), switchyard_schedule::ScheduleError>(())
 //! ```
+//!
+//! ## Tutorials and reference
+//!
+//! * [Chapter 2, "Pipeline parallelism"](https://github.com/switchyard-rs/switchyard/blob/main/docs/tutorial/02-pipeline-parallelism.md):
+//!   the four schedules side by side, with their bubbles and activations (example
+//!   `pipeline`).
+//! * [Chapter 6, "A custom schedule as CSV"](https://github.com/switchyard-rs/switchyard/blob/main/docs/tutorial/06-custom-schedule.md):
+//!   write, validate, simulate and run your own (example `custom_schedule`).
+//! * [Pipeline schedules](https://github.com/switchyard-rs/switchyard/blob/main/docs/schedules.md): every formula, how activations are
+//!   counted, how lowering orders the messages, the CSV format.
 
 #![warn(missing_docs)]
 

@@ -47,14 +47,7 @@ impl Default for TrainConfig {
     /// The README's run: a small GPT with pipeline and tensor parallelism on 2 cores.
     fn default() -> Self {
         TrainConfig {
-            model: GptConfig {
-                vocab_size: 256,
-                block_size: 64,
-                n_layer: 4,
-                n_head: 4,
-                d_model: 128,
-                tied_embeddings: false,
-            },
+            model: GptConfig::default(),
             dp: 1,
             pp: 2,
             tp: 2,
@@ -192,6 +185,12 @@ impl TrainConfig {
         if self.virtual_stages == 0 {
             return Err("--virtual-stages must be at least 1".into());
         }
+        if self.schedule == "interleaved" && self.virtual_stages < 2 {
+            return Err(format!(
+                "the interleaved schedule needs --virtual-stages 2 or more (got {}); with 1 it is plain 1f1b",
+                self.virtual_stages
+            ));
+        }
         // The schedule generator knows its own constraints (interleaving needs a multiple
         // of pp microbatches); ask it now rather than inside a worker.
         self.program()?;
@@ -255,6 +254,7 @@ mod tests {
         })
         .contains("multiple of 2"));
         assert!(err(|c| c.virtual_stages = 2).contains("only applies to the interleaved"));
+        assert!(err(|c| c.schedule = "interleaved".into()).contains("needs --virtual-stages 2"));
         assert!(err(|c| c.seq_len = 65).contains("block size 64"));
         assert!(err(|c| c.split = SplitSpec::Counts(vec![3, 3])).contains("asks for 6 layers"));
         assert!(err(|c| c.schedule = "pipedream".into()).contains("pipedream"));

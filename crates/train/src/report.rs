@@ -48,7 +48,8 @@ pub struct PipelineRankReport {
     pub pp_rank: usize,
     /// Idle fraction of the executor's step time, measured (median over steps).
     pub bubble_measured: f64,
-    /// The simulator's bubble for this rank with costs F=1, B=2.
+    /// The simulator's bubble for this rank with costs F=1, B=2 (I=2, W=0 for a split
+    /// backward, as the executor runs it).
     pub bubble_predicted: f64,
     /// Most microbatches whose activations this rank held at once (measured).
     pub peak_activations: usize,
@@ -179,7 +180,17 @@ pub(crate) fn gather(
     if let (Some(path), Some(events)) = (trace, events) {
         write_trace(cfg, path, events)?;
     }
-    let predicted = simulate(worker.program(), &Costs::default())?;
+    // The executor runs the whole backward in `I` and only adds the kept weight
+    // gradients in `W` (see switchyard-pipeline), so predict with those costs.
+    let costs = match worker.program().has_split_backward() {
+        true => Costs {
+            i: 2.0,
+            w: 0.0,
+            ..Costs::default()
+        },
+        false => Costs::default(),
+    };
+    let predicted = simulate(worker.program(), &costs)?;
     let mesh = cfg.mesh();
     let pipeline = (0..cfg.pp)
         .map(|pp_rank| {

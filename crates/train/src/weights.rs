@@ -74,7 +74,14 @@ impl Weights {
                     .iter()
                     .map(|(k, v)| (k.clone(), v.dims().to_vec()))
                     .collect();
-                GptConfig::infer(&shapes, n_head).map_err(|e| anyhow!("{}: {e}", path.display()))?
+                let mut c = GptConfig::infer(&shapes, n_head)
+                    .map_err(|e| anyhow!("{}: {e}", path.display()))?;
+                // nanoGPT ties its head and saves the table under both names.
+                let (w, h) = (tensors.get("transformer.wte.weight"), tensors.get("lm_head.weight"));
+                if let (Some(w), Some(h)) = (w, h) {
+                    c.tied_embeddings = w.dims() == h.dims() && max_abs_diff(w, h)? == 0.0;
+                }
+                c
             }
         };
         let mut w = Weights { config, tensors };
@@ -89,10 +96,7 @@ impl Weights {
             if let Some(head) = self.tensors.remove("lm_head.weight") {
                 let wte = &self.tensors.get("transformer.wte.weight");
                 let same = wte.is_some_and(|w| {
-                    w.dims() == head.dims()
-                        && (w - &head)
-                            .and_then(|d| d.abs()?.max_all()?.to_scalar::<f32>())
-                            .is_ok_and(|d| d == 0.0)
+                    w.dims() == head.dims() && max_abs_diff(w, &head).is_ok_and(|d| d == 0.0)
                 });
                 if !same {
                     return Err("lm_head.weight differs from transformer.wte.weight but the model ties them".into());
@@ -172,6 +176,10 @@ impl Weights {
             single_device(),
         )?)
     }
+}
+
+fn max_abs_diff(a: &Tensor, b: &Tensor) -> candle_core::Result<f32> {
+    (a - b)?.abs()?.max_all()?.to_scalar::<f32>()
 }
 
 fn describe(c: &GptConfig) -> String {

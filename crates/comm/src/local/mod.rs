@@ -18,9 +18,10 @@
 //!   one shared output in parallel; broadcast and all-to-all move `Arc`s only.
 //! * **Failure** never hangs: the launcher records the first rank that returns an error,
 //!   panics or times out, then wakes every blocked operation of every other rank, which
-//!   returns [`CommError::PeerFailed`] naming itself, the peer or group it waited for,
-//!   and the failed rank. A rank whose closure returns while a peer still waits for it
-//!   also ends that wait. Every wait is bounded by the launcher's timeout.
+//!   returns [`CommError::PeerFailed`](crate::CommError::PeerFailed) naming itself, the
+//!   peer or group it waited for, and the failed rank. A rank whose closure returns while
+//!   a peer still waits for it also ends that wait. Every wait is bounded by the
+//!   launcher's timeout.
 
 mod comm;
 mod group;
