@@ -30,9 +30,12 @@ enum Command {
     Export(cli::model::ExportArgs),
     /// Generate text from a checkpoint or weights file
     Sample(cli::model::SampleArgs),
+    /// Time the reference workload on one worker and on every parallel layout (a table)
+    Bench(cli::bench::BenchArgs),
 }
 
 fn main() {
+    switchyard::keep_freed_memory();
     cli::configure_threads_env();
     let cli = Cli::parse();
     let result = match cli.command {
@@ -41,6 +44,7 @@ fn main() {
         Command::Eval(a) => cli::model::eval(a),
         Command::Export(a) => cli::model::export(a),
         Command::Sample(a) => cli::model::sample_text(a),
+        Command::Bench(a) => cli::bench::run(a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

@@ -12,8 +12,21 @@ use std::time::{Duration, Instant};
 const BIN: &str = env!("CARGO_BIN_EXE_switchyard");
 
 const TINY: &[&str] = &[
-    "--d-model", "32", "--layers", "2", "--heads", "2", "--seq-len", "16", "--batch", "8",
-    "--microbatches", "2", "--quiet", "--threads-per-worker", "1",
+    "--d-model",
+    "32",
+    "--layers",
+    "2",
+    "--heads",
+    "2",
+    "--seq-len",
+    "16",
+    "--batch",
+    "8",
+    "--microbatches",
+    "2",
+    "--quiet",
+    "--threads-per-worker",
+    "1",
 ];
 
 fn scratch(name: &str) -> PathBuf {
@@ -25,10 +38,18 @@ fn scratch(name: &str) -> PathBuf {
 
 fn mpirun(np: usize, args: &[&str]) -> Command {
     let mut c = Command::new("mpirun");
-    c.args(["--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np", &np.to_string(), BIN])
-        .args(["train", "--backend", "mpi"])
-        .args(TINY)
-        .args(args);
+    c.args([
+        "--allow-run-as-root",
+        "--oversubscribe",
+        "--bind-to",
+        "none",
+        "-np",
+        &np.to_string(),
+        BIN,
+    ])
+    .args(["train", "--backend", "mpi"])
+    .args(TINY)
+    .args(args);
     c
 }
 
@@ -41,12 +62,17 @@ fn local(args: &[&str]) -> Command {
 /// Runs `cmd` to completion under a watchdog, so that a hang fails the test instead of
 /// stalling it.
 fn run(mut cmd: Command, limit: Duration) -> (bool, String) {
-    let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("start");
+    let mut child = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start");
     let start = Instant::now();
     loop {
         if let Some(status) = child.try_wait().unwrap() {
             let out = child.wait_with_output().unwrap();
-            let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+            let text = String::from_utf8_lossy(&out.stdout).to_string()
+                + &String::from_utf8_lossy(&out.stderr);
             return (status.success(), text);
         }
         if start.elapsed() > limit {
@@ -61,14 +87,21 @@ fn losses(path: &Path) -> Vec<f64> {
     std::fs::read_to_string(path)
         .unwrap()
         .lines()
-        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"].as_f64().unwrap())
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"]
+                .as_f64()
+                .unwrap()
+        })
         .collect()
 }
 
 fn assert_close(a: &[f64], b: &[f64], what: &str) {
     assert_eq!(a.len(), b.len(), "{what}");
     for (i, (x, y)) in a.iter().zip(b).enumerate() {
-        assert!((x - y).abs() <= 1e-5 * y.abs(), "{what}: step {i}: {x} vs {y}");
+        assert!(
+            (x - y).abs() <= 1e-5 * y.abs(),
+            "{what}: step {i}: {x} vs {y}"
+        );
     }
 }
 
@@ -78,11 +111,41 @@ const LIMIT: Duration = Duration::from_secs(180);
 fn mpi_matches_the_in_process_backend() {
     let d = scratch("parity");
     let (m, l) = (d.join("mpi.jsonl"), d.join("local.jsonl"));
-    let (ok, out) = run(mpirun(4, &["--pp", "2", "--tp", "2", "--steps", "5", "--metrics", m.to_str().unwrap()]), LIMIT);
+    let (ok, out) = run(
+        mpirun(
+            4,
+            &[
+                "--pp",
+                "2",
+                "--tp",
+                "2",
+                "--steps",
+                "5",
+                "--metrics",
+                m.to_str().unwrap(),
+            ],
+        ),
+        LIMIT,
+    );
     assert!(ok, "{out}");
-    assert!(out.contains("trained 5 steps on 4 workers"), "only rank 0 reports: {out}");
+    assert!(
+        out.contains("trained 5 steps on 4 workers"),
+        "only rank 0 reports: {out}"
+    );
     assert_eq!(out.matches("trained 5 steps").count(), 1, "{out}");
-    let (ok, out) = run(local(&["--pp", "2", "--tp", "2", "--steps", "5", "--metrics", l.to_str().unwrap()]), LIMIT);
+    let (ok, out) = run(
+        local(&[
+            "--pp",
+            "2",
+            "--tp",
+            "2",
+            "--steps",
+            "5",
+            "--metrics",
+            l.to_str().unwrap(),
+        ]),
+        LIMIT,
+    );
     assert!(ok, "{out}");
     assert_close(&losses(&m), &losses(&l), "mpi vs local");
 }
@@ -91,35 +154,102 @@ fn mpi_matches_the_in_process_backend() {
 fn checkpoints_move_between_backends() {
     let d = scratch("ckpt");
     let full = d.join("full.jsonl");
-    let (ok, out) = run(local(&["--pp", "2", "--tp", "2", "--steps", "6", "--metrics", full.to_str().unwrap()]), LIMIT);
+    let (ok, out) = run(
+        local(&[
+            "--pp",
+            "2",
+            "--tp",
+            "2",
+            "--steps",
+            "6",
+            "--metrics",
+            full.to_str().unwrap(),
+        ]),
+        LIMIT,
+    );
     assert!(ok, "{out}");
     let full = losses(&full);
 
     // MPI saves at step 3; the in-process backend resumes on another layout.
     let ck = d.join("from-mpi");
     let ck = ck.to_str().unwrap();
-    let (ok, out) = run(mpirun(4, &["--pp", "2", "--tp", "2", "--steps", "6", "--save-every", "3", "--checkpoint-dir", ck]), LIMIT);
-    assert!(ok, "{out}");
-    let resumed = d.join("resumed-local.jsonl");
     let (ok, out) = run(
-        local(&["--dp", "2", "--steps", "6", "--checkpoint-dir", ck, "--resume-from", "3", "--metrics", resumed.to_str().unwrap()]),
+        mpirun(
+            4,
+            &[
+                "--pp",
+                "2",
+                "--tp",
+                "2",
+                "--steps",
+                "6",
+                "--save-every",
+                "3",
+                "--checkpoint-dir",
+                ck,
+            ],
+        ),
         LIMIT,
     );
     assert!(ok, "{out}");
-    assert_close(&losses(&resumed), &full[3..], "mpi checkpoint resumed in-process");
+    let resumed = d.join("resumed-local.jsonl");
+    let (ok, out) = run(
+        local(&[
+            "--dp",
+            "2",
+            "--steps",
+            "6",
+            "--checkpoint-dir",
+            ck,
+            "--resume-from",
+            "3",
+            "--metrics",
+            resumed.to_str().unwrap(),
+        ]),
+        LIMIT,
+    );
+    assert!(ok, "{out}");
+    assert_close(
+        &losses(&resumed),
+        &full[3..],
+        "mpi checkpoint resumed in-process",
+    );
 
     // The in-process backend saves; MPI resumes.
     let ck = d.join("from-local");
     let ck = ck.to_str().unwrap();
-    let (ok, out) = run(local(&["--steps", "6", "--save-every", "3", "--checkpoint-dir", ck]), LIMIT);
-    assert!(ok, "{out}");
-    let resumed = d.join("resumed-mpi.jsonl");
     let (ok, out) = run(
-        mpirun(4, &["--pp", "2", "--tp", "2", "--steps", "6", "--checkpoint-dir", ck, "--resume-from", "3", "--metrics", resumed.to_str().unwrap()]),
+        local(&["--steps", "6", "--save-every", "3", "--checkpoint-dir", ck]),
         LIMIT,
     );
     assert!(ok, "{out}");
-    assert_close(&losses(&resumed), &full[3..], "in-process checkpoint resumed under mpi");
+    let resumed = d.join("resumed-mpi.jsonl");
+    let (ok, out) = run(
+        mpirun(
+            4,
+            &[
+                "--pp",
+                "2",
+                "--tp",
+                "2",
+                "--steps",
+                "6",
+                "--checkpoint-dir",
+                ck,
+                "--resume-from",
+                "3",
+                "--metrics",
+                resumed.to_str().unwrap(),
+            ],
+        ),
+        LIMIT,
+    );
+    assert!(ok, "{out}");
+    assert_close(
+        &losses(&resumed),
+        &full[3..],
+        "in-process checkpoint resumed under mpi",
+    );
 }
 
 #[test]
@@ -127,19 +257,35 @@ fn a_rank_that_dies_mid_run_ends_the_job() {
     let d = scratch("dies");
     let mut cmd = mpirun(4, &["--pp", "2", "--tp", "2", "--steps", "100000"]);
     cmd.current_dir(&d);
-    let mut child = cmd.stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
+    let mut child = cmd
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
     // Wait until the ranks are training, then kill one of them.
     let start = Instant::now();
     let victim = loop {
-        let out = Command::new("pgrep").args(["-f", "switchyard train --backend mpi"]).output().unwrap();
-        let pids: Vec<u32> = String::from_utf8_lossy(&out.stdout).lines().filter_map(|l| l.trim().parse().ok()).collect();
+        let out = Command::new("pgrep")
+            .args(["-f", "switchyard train --backend mpi"])
+            .output()
+            .unwrap();
+        let pids: Vec<u32> = String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter_map(|l| l.trim().parse().ok())
+            .collect();
         if pids.len() >= 4 && start.elapsed() > Duration::from_secs(3) {
             break pids[pids.len() - 1];
         }
-        assert!(start.elapsed() < Duration::from_secs(60), "the ranks did not start");
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "the ranks did not start"
+        );
         std::thread::sleep(Duration::from_millis(200));
     };
-    Command::new("kill").args(["-9", &victim.to_string()]).status().unwrap();
+    Command::new("kill")
+        .args(["-9", &victim.to_string()])
+        .status()
+        .unwrap();
     let killed = Instant::now();
     loop {
         if let Some(status) = child.try_wait().unwrap() {

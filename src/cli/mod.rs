@@ -1,5 +1,6 @@
 //! The subcommands of `switchyard`.
 
+pub mod bench;
 pub mod model;
 pub mod schedule;
 pub mod train;

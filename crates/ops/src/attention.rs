@@ -1,15 +1,33 @@
 //! Causal scaled-dot-product self-attention, differentiable in q, k and v.
+//!
+//! [`causal_attention_packed`] is the fused kernel: it reads q, k and v straight from a
+//! fused qkv projection `[B, T, 3·H·hd]` and writes `[B, T, H·hd]`, so no transpose or
+//! copy surrounds it. It works flash-style, one (batch, head) pair at a time in a `T × T`
+//! scratch that stays in cache: the `(B, H, T, T)` scores and probabilities are never
+//! stored. Forward keeps only each row's log-sum-exp; backward recomputes the
+//! probabilities from it:
+//!
+//! * `S = q·kᵀ/√hd` (masked above the diagonal), `P = exp(S − lse)`, `O = P·v`;
+//! * `dv = Pᵀ·dO`, `dP = dO·vᵀ`, `Dᵢ = Σ_d dOᵢ·Oᵢ`, `dS = P ⊙ (dP − D)`,
+//!   `dq = dS·k/√hd`, `dk = dSᵀ·q/√hd`.
 
-use candle_core::{bail, DType, Device, Result, Tensor, D};
+use std::sync::OnceLock;
+
+use candle_core::backend::BackendStorage;
+use candle_core::{bail, CpuStorage, CustomOp1, DType, Device, Layout, Result, Shape, Tensor, D};
+use rayon::prelude::*;
+
+use crate::kernel::{self, dot, max, simd, slice, sum, uninit, view, Float, Mat, SharedMut};
 
 /// `softmax(q · kᵀ / √hd + M) · v` for `q`, `k`, `v` of shape `(B, H, T, hd)`, where the
 /// additive causal mask `M` is 0 where the key position is at or before the query
 /// position and −∞ after it. Returns `(B, H, T, hd)`.
 ///
-/// The softmax subtracts the detached row maximum before `exp` (exact gradient, no
-/// overflow); every row has at least its diagonal unmasked, so no row is all −∞.
+/// The softmax subtracts the row maximum before `exp` (exact gradient, no overflow);
+/// every row has at least its diagonal unmasked, so no row is all −∞. For `f32`/`f64`
+/// this packs q, k and v and runs [`causal_attention_packed`].
 pub fn causal_self_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
-    let (_, _, t, hd) = q.dims4()?;
+    let (b, h, t, hd) = q.dims4()?;
     if k.dims() != q.dims() || v.dims() != q.dims() {
         bail!(
             "causal_self_attention: q {:?}, k {:?} and v {:?} must all have shape (B, H, T, hd)",
@@ -17,6 +35,13 @@ pub fn causal_self_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tenso
             k.dims(),
             v.dims()
         );
+    }
+    if matches!(q.dtype(), DType::F32 | DType::F64) {
+        let pack = |x: &Tensor| x.transpose(1, 2)?.reshape((b, t, h * hd));
+        let qkv = Tensor::cat(&[pack(q)?, pack(k)?, pack(v)?], 2)?;
+        return causal_attention_packed(&qkv, h)?
+            .reshape((b, t, h, hd))?
+            .transpose(1, 2);
     }
     let q = q.contiguous()?;
     let k = k.contiguous()?;
@@ -31,10 +56,376 @@ pub fn causal_self_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tenso
     p.matmul(&v)
 }
 
+/// Causal self-attention over a fused projection: `qkv` is `[B, T, 3·H·hd]` with columns
+/// `q | k | v`, each made of `n_head` contiguous heads of `hd` (the layout of GPT's
+/// `c_attn` output). Returns `[B, T, H·hd]`, head `h` in columns `h·hd..(h+1)·hd` (the
+/// input layout of the output projection). `f32` and `f64` only.
+pub fn causal_attention_packed(qkv: &Tensor, n_head: usize) -> Result<Tensor> {
+    let (_, _, c) = qkv.dims3()?;
+    if n_head == 0 || c % (3 * n_head) != 0 {
+        bail!(
+            "causal_attention_packed: the last dim of qkv {:?} must be 3 × n_head ({n_head}) × head_dim",
+            qkv.dims()
+        );
+    }
+    if !matches!(qkv.dtype(), DType::F32 | DType::F64) {
+        bail!(
+            "causal_attention_packed: f32 or f64 only, got {:?}",
+            qkv.dtype()
+        );
+    }
+    qkv.contiguous()?.apply_op1(Attention {
+        n_head,
+        lse: OnceLock::new(),
+    })
+}
+
 /// A `(t, t)` tensor with 0 at and below the diagonal and −∞ above it.
 fn causal_mask(t: usize, dtype: DType, device: &Device) -> Result<Tensor> {
     let m: Vec<f32> = (0..t)
         .flat_map(|i| (0..t).map(move |j| if j <= i { 0.0 } else { f32::NEG_INFINITY }))
         .collect();
     Tensor::from_vec(m, (t, t), device)?.to_dtype(dtype)
+}
+
+struct Attention {
+    n_head: usize,
+    /// Per (batch, head, row): the log-sum-exp of the scaled scores.
+    lse: OnceLock<CpuStorage>,
+}
+
+/// The geometry of one call.
+#[derive(Clone, Copy)]
+struct Geo {
+    b: usize,
+    t: usize,
+    h: usize,
+    hd: usize,
+    scale: f64,
+}
+
+impl Geo {
+    fn dl(&self) -> usize {
+        self.h * self.hd
+    }
+    /// Offsets of q, k, v of pair `(bi, hi)` in the packed input (row stride `3·dl`).
+    fn qkv(&self, bi: usize, hi: usize) -> [usize; 3] {
+        let base = bi * self.t * 3 * self.dl() + hi * self.hd;
+        [base, base + self.dl(), base + 2 * self.dl()]
+    }
+    /// Offset of pair `(bi, hi)` in the output (row stride `dl`).
+    fn out(&self, bi: usize, hi: usize) -> usize {
+        bi * self.t * self.dl() + hi * self.hd
+    }
+}
+
+simd! {
+    /// Row `i` of the `t × t` scores `s`: `p_j = exp(scale·(s_j − max)) / Σ` for `j ≤ i`,
+    /// 0 after; records `lse_i = scale·max + ln Σ`.
+    fn softmax_causal<T>(s: &mut [T], t: usize, ld: usize, scale: f64, lse: &mut [T]) {
+        let scale = T::from_f64(scale);
+        for (i, row) in s.chunks_exact_mut(ld).take(t).enumerate() {
+            let (live, dead) = row[..t].split_at_mut(i + 1);
+            let m = max(live) * scale;
+            for v in live.iter_mut() {
+                *v = (*v * scale - m).exp();
+            }
+            let z = sum(live);
+            let inv = T::one() / z;
+            for v in live.iter_mut() {
+                *v *= inv;
+            }
+            dead.fill(T::zero());
+            lse[i] = m + z.ln();
+        }
+    }
+}
+
+simd! {
+    /// Recomputes `P` from the scores and the log-sum-exp, then turns `dp` into
+    /// `dS = scale · P ⊙ (dP − D)` and `s` into `P`.
+    fn softmax_causal_bwd<T>(s: &mut [T], dp: &mut [T], t: usize, ld: usize, scale: f64, lse: &[T], dsum: &[T]) {
+        let scale = T::from_f64(scale);
+        let rows = s.chunks_exact_mut(ld).zip(dp.chunks_exact_mut(ld)).take(t);
+        for (i, (row, drow)) in rows.enumerate() {
+            let (l, di) = (lse[i], dsum[i]);
+            for (p, d) in row[..=i].iter_mut().zip(drow[..=i].iter_mut()) {
+                *p = (*p * scale - l).exp();
+                *d = *p * (*d - di) * scale;
+            }
+            row[i + 1..t].fill(T::zero());
+            drow[i + 1..t].fill(T::zero());
+        }
+    }
+}
+
+impl Attention {
+    fn geo(&self, shape: &Shape) -> Result<Geo> {
+        let (b, t, c) = shape.dims3()?;
+        let hd = c / (3 * self.n_head);
+        Ok(Geo {
+            b,
+            t,
+            h: self.n_head,
+            hd,
+            scale: 1.0 / (hd as f64).sqrt(),
+        })
+    }
+
+    fn forward<T: Float>(&self, qkv: &[T], g: Geo) -> Result<Vec<T>> {
+        let (t, dl) = (g.t, g.dl());
+        let mut y = uninit::<T>(g.b * t * dl)?;
+        let mut lse = uninit::<T>(g.b * g.h * t)?;
+        let out = SharedMut(y.as_mut_ptr());
+        lse.par_chunks_mut(t).enumerate().for_each_init(
+            || vec![T::zero(); scratch_len(g, false)],
+            |scratch, (pair, lse)| forward_pair(qkv, g, pair, scratch, lse, out),
+        );
+        let _ = self.lse.set(T::to_cpu_storage_owned(lse));
+        Ok(y)
+    }
+
+    fn backward<T: Float>(&self, qkv: &Tensor, y: &Tensor, grad: &Tensor) -> Result<Tensor> {
+        let name = "switchyard-causal-attention";
+        let g = self.geo(qkv.shape())?;
+        let grad = grad.contiguous()?;
+        let (xv, yv, gv) = (view(qkv, name)?, view(y, name)?, view(&grad, name)?);
+        let (x, o, d_o) = (xv.get::<T>()?, yv.get::<T>()?, gv.get::<T>()?);
+        let Some(lse) = self.lse.get() else {
+            bail!("{name}: backward before forward")
+        };
+        let lse = T::cpu_storage_as_slice(lse)?;
+        let mut dx = uninit::<T>(x.len())?;
+        let dst = SharedMut(dx.as_mut_ptr());
+        (0..g.b * g.h).into_par_iter().for_each_init(
+            || vec![T::zero(); scratch_len(g, true)],
+            |scratch, pair| backward_pair(x, o, d_o, lse, g, pair, scratch, dst),
+        );
+        kernel::tensor(dx, qkv.shape().clone())
+    }
+}
+
+/// Rows (or columns) per block of the causal products: block `i` of queries sees key
+/// blocks `0..=i` only, so about 5/8 of the full `T × T` work is done at T = 4 blocks.
+const BLOCK: usize = 32;
+
+/// `(start, end)` of each block of `t` rows.
+fn blocks(t: usize) -> impl Iterator<Item = (usize, usize)> {
+    (0..t.div_ceil(BLOCK)).map(move |i| (i * BLOCK, ((i + 1) * BLOCK).min(t)))
+}
+
+/// Scratch of one task: scores and score gradients (`T × T` each) and row sums.
+fn scratch_len(g: Geo, backward: bool) -> usize {
+    match backward {
+        false => g.t * g.t,
+        true => 2 * g.t * g.t + g.t,
+    }
+}
+
+/// The product of [`kernel::matmul`] into a strided destination shared between tasks.
+///
+/// # Safety
+/// `dst` must be valid for rows `0..m` of stride `ld` and columns `0..n`, and no other
+/// task may touch those elements meanwhile.
+#[allow(clippy::too_many_arguments)]
+unsafe fn matmul_into<T: Float>(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut T,
+    ld: usize,
+    a: Mat<T>,
+    b: Mat<T>,
+) {
+    let len = (m - 1) * ld + n;
+    let d = std::slice::from_raw_parts_mut(dst, len);
+    kernel::matmul(m, n, k, d, ld, false, a, b, false);
+}
+
+/// Forward of one (batch, head) pair: scores, causal softmax (recording the log-sum-exp),
+/// and `O = P·v` into its columns of the output.
+fn forward_pair<T: Float>(
+    qkv: &[T],
+    g: Geo,
+    pair: usize,
+    s: &mut [T],
+    lse: &mut [T],
+    out: SharedMut<T>,
+) {
+    let (t, hd, dl) = (g.t, g.hd, g.dl());
+    let ld = 3 * dl;
+    let (bi, hi) = (pair / g.h, pair % g.h);
+    let [q, k, v] = g.qkv(bi, hi);
+    let (qm, km, vm) = (
+        Mat {
+            data: &qkv[q..],
+            rs: ld,
+            cs: 1,
+        },
+        Mat {
+            data: &qkv[k..],
+            rs: ld,
+            cs: 1,
+        },
+        Mat {
+            data: &qkv[v..],
+            rs: ld,
+            cs: 1,
+        },
+    );
+    // Row blocks: rows r0..r1 only see keys 0..r1.
+    for (r0, r1) in blocks(t) {
+        let qb = Mat {
+            data: &qm.data[r0 * ld..],
+            ..qm
+        };
+        kernel::matmul(
+            r1 - r0,
+            r1,
+            hd,
+            &mut s[r0 * t..],
+            t,
+            false,
+            qb,
+            km.t(),
+            false,
+        );
+    }
+    softmax_causal(s, t, t, g.scale, lse);
+    for (r0, r1) in blocks(t) {
+        let pb = Mat::rows(&s[r0 * t..], t);
+        // SAFETY: pair (bi, hi) owns columns hi·hd.. of rows bi·t.. of the output.
+        unsafe {
+            let dst = out.ptr().add(g.out(bi, hi) + r0 * dl);
+            matmul_into(r1 - r0, hd, r1, dst, dl, pb, vm);
+        }
+    }
+}
+
+/// Backward of one (batch, head) pair into its q, k and v columns of `dx`.
+#[allow(clippy::too_many_arguments)]
+fn backward_pair<T: Float>(
+    x: &[T],
+    o: &[T],
+    d_o: &[T],
+    lse: &[T],
+    g: Geo,
+    pair: usize,
+    scratch: &mut [T],
+    dst: SharedMut<T>,
+) {
+    let (t, hd, dl) = (g.t, g.hd, g.dl());
+    let ld = 3 * dl;
+    let (bi, hi) = (pair / g.h, pair % g.h);
+    let [q, k, v] = g.qkv(bi, hi);
+    let (s, rest) = scratch.split_at_mut(t * t);
+    let (dp, dsum) = rest.split_at_mut(t * t);
+    let (qm, km, vm) = (
+        Mat {
+            data: &x[q..],
+            rs: ld,
+            cs: 1,
+        },
+        Mat {
+            data: &x[k..],
+            rs: ld,
+            cs: 1,
+        },
+        Mat {
+            data: &x[v..],
+            rs: ld,
+            cs: 1,
+        },
+    );
+    let oo = g.out(bi, hi);
+    let dom = Mat {
+        data: &d_o[oo..],
+        rs: dl,
+        cs: 1,
+    };
+    for (i, ds) in dsum.iter_mut().enumerate() {
+        let r = oo + i * dl;
+        *ds = dot(&d_o[r..r + hd], &o[r..r + hd]);
+    }
+    for (r0, r1) in blocks(t) {
+        let qb = Mat {
+            data: &qm.data[r0 * ld..],
+            ..qm
+        };
+        let db = Mat {
+            data: &dom.data[r0 * dl..],
+            ..dom
+        };
+        kernel::matmul(
+            r1 - r0,
+            r1,
+            hd,
+            &mut s[r0 * t..],
+            t,
+            false,
+            qb,
+            km.t(),
+            false,
+        );
+        kernel::matmul(
+            r1 - r0,
+            r1,
+            hd,
+            &mut dp[r0 * t..],
+            t,
+            false,
+            db,
+            vm.t(),
+            false,
+        );
+    }
+    softmax_causal_bwd(s, dp, t, t, g.scale, &lse[pair * t..(pair + 1) * t], dsum);
+    let (s, dp) = (&*s, &*dp);
+    for (c0, c1) in blocks(t) {
+        // Keys c0..c1 are seen by queries c0..t only.
+        let p_t = Mat::rows(&s[c0 * t + c0..], t).t();
+        let ds_t = Mat::rows(&dp[c0 * t + c0..], t).t();
+        let do_b = Mat {
+            data: &dom.data[c0 * dl..],
+            ..dom
+        };
+        let q_b = Mat {
+            data: &qm.data[c0 * ld..],
+            ..qm
+        };
+        let ds_r = Mat::rows(&dp[c0 * t..], t);
+        let (w, n) = (c1 - c0, t - c0);
+        // SAFETY: pair (bi, hi) owns its q, k and v columns of rows bi·t.. of dx.
+        unsafe {
+            matmul_into(w, hd, n, dst.ptr().add(v + c0 * ld), ld, p_t, do_b);
+            matmul_into(w, hd, n, dst.ptr().add(k + c0 * ld), ld, ds_t, q_b);
+            // Queries c0..c1 (a row block) see keys 0..c1.
+            matmul_into(w, hd, c1, dst.ptr().add(q + c0 * ld), ld, ds_r, km);
+        }
+    }
+}
+
+impl CustomOp1 for Attention {
+    fn name(&self) -> &'static str {
+        "switchyard-causal-attention"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let g = self.geo(l.shape())?;
+        let n = self.name();
+        let out = match s.dtype() {
+            DType::F32 => CpuStorage::F32(self.forward::<f32>(slice(s, l, n)?, g)?),
+            DType::F64 => CpuStorage::F64(self.forward::<f64>(slice(s, l, n)?, g)?),
+            d => bail!("{n}: unsupported dtype {d:?}"),
+        };
+        Ok((out, Shape::from((g.b, g.t, g.dl()))))
+    }
+
+    fn bwd(&self, qkv: &Tensor, res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        let d = match qkv.dtype() {
+            DType::F32 => self.backward::<f32>(qkv, res, grad)?,
+            _ => self.backward::<f64>(qkv, res, grad)?,
+        };
+        Ok(Some(d))
+    }
 }

@@ -7,6 +7,9 @@
 
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor};
+use rayon::prelude::*;
+
+use crate::kernel::{simd, uninit, Float};
 
 const C: f64 = 0.797_884_560_802_865_4; // √(2/π)
 const A: f64 = 0.044_715;
@@ -27,28 +30,65 @@ pub fn gelu(x: &Tensor) -> Result<Tensor> {
     }
 }
 
-#[inline]
-fn gelu_f64(x: f64) -> f64 {
-    0.5 * x * (1.0 + (C * (x + A * x * x * x)).tanh())
+simd! {
+    /// `y = gelu(x)`, element-wise.
+    fn gelu_kernel<T>(x: &[T], y: &mut [T]) {
+        let (c, a, half) = (T::from_f64(C), T::from_f64(A), T::from_f64(0.5));
+        for (y, &x) in y.iter_mut().zip(x) {
+            *y = half * x * (T::one() + (c * (x + a * x * x * x)).tanh());
+        }
+    }
 }
 
-#[inline]
-fn gelu_grad_f64(x: f64) -> f64 {
-    let t = (C * (x + A * x * x * x)).tanh();
-    0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * C * (1.0 + 3.0 * A * x * x)
+simd! {
+    /// `dx = g · gelu'(x)`, element-wise.
+    fn gelu_grad_kernel<T>(x: &[T], g: &[T], dx: &mut [T]) {
+        let (c, a, half) = (T::from_f64(C), T::from_f64(A), T::from_f64(0.5));
+        let three_a = T::from_f64(3.0 * A);
+        for ((d, &x), &g) in dx.iter_mut().zip(x).zip(g) {
+            let t = (c * (x + a * x * x * x)).tanh();
+            let dt = (T::one() - t * t) * c * (T::one() + three_a * x * x);
+            *d = g * (half * (T::one() + t) + half * x * dt);
+        }
+    }
 }
 
-#[inline]
-fn gelu_f32(x: f32) -> f32 {
-    let (c, a) = (C as f32, A as f32);
-    0.5 * x * (1.0 + (c * (x + a * x * x * x)).tanh())
+/// Elements per parallel task of an element-wise kernel over `n` elements.
+fn chunk(n: usize) -> usize {
+    let t = rayon::current_num_threads();
+    if t <= 1 {
+        n.max(1)
+    } else {
+        n.div_ceil(4 * t).next_multiple_of(64).max(64)
+    }
 }
 
-#[inline]
-fn gelu_grad_f32(x: f32) -> f32 {
-    let (c, a) = (C as f32, A as f32);
-    let t = (c * (x + a * x * x * x)).tanh();
-    0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * c * (1.0 + 3.0 * a * x * x)
+/// `y = gelu(x)` over slices, split over the pool's threads.
+pub(crate) fn gelu_forward_slice<T: Float>(x: &[T], y: &mut [T]) {
+    let c = chunk(x.len());
+    y.par_chunks_mut(c)
+        .zip(x.par_chunks(c))
+        .for_each(|(y, x)| gelu_kernel(x, y));
+}
+
+/// `dx = g · gelu'(x)` over slices, split over the pool's threads.
+pub(crate) fn gelu_backward_slice<T: Float>(x: &[T], g: &[T], dx: &mut [T]) {
+    let c = chunk(x.len());
+    dx.par_chunks_mut(c)
+        .zip(x.par_chunks(c).zip(g.par_chunks(c)))
+        .for_each(|(d, (x, g))| gelu_grad_kernel(x, g, d));
+}
+
+fn run_forward<T: Float>(x: &[T]) -> Result<Vec<T>> {
+    let mut y = uninit::<T>(x.len())?;
+    gelu_forward_slice(x, &mut y);
+    Ok(y)
+}
+
+fn run_backward<T: Float>(x: &[T], g: &[T]) -> Result<Vec<T>> {
+    let mut d = uninit::<T>(x.len())?;
+    gelu_backward_slice(x, g, &mut d);
+    Ok(d)
 }
 
 fn contiguous_range(l: &Layout, op: &str) -> Result<(usize, usize)> {
@@ -68,8 +108,8 @@ impl CustomOp1 for Gelu {
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let (lo, hi) = contiguous_range(l, self.name())?;
         let out = match s {
-            CpuStorage::F32(v) => CpuStorage::F32(v[lo..hi].iter().map(|&x| gelu_f32(x)).collect()),
-            CpuStorage::F64(v) => CpuStorage::F64(v[lo..hi].iter().map(|&x| gelu_f64(x)).collect()),
+            CpuStorage::F32(v) => CpuStorage::F32(run_forward(&v[lo..hi])?),
+            CpuStorage::F64(v) => CpuStorage::F64(run_forward(&v[lo..hi])?),
             _ => bail!("{}: unsupported dtype {:?}", self.name(), s.dtype()),
         };
         Ok((out, l.shape().clone()))
@@ -110,20 +150,12 @@ impl CustomOp2 for GeluBackward {
         let (a0, a1) = contiguous_range(l1, self.name())?;
         let (b0, b1) = contiguous_range(l2, self.name())?;
         let out = match (s1, s2) {
-            (CpuStorage::F32(x), CpuStorage::F32(g)) => CpuStorage::F32(
-                x[a0..a1]
-                    .iter()
-                    .zip(&g[b0..b1])
-                    .map(|(&x, &g)| g * gelu_grad_f32(x))
-                    .collect(),
-            ),
-            (CpuStorage::F64(x), CpuStorage::F64(g)) => CpuStorage::F64(
-                x[a0..a1]
-                    .iter()
-                    .zip(&g[b0..b1])
-                    .map(|(&x, &g)| g * gelu_grad_f64(x))
-                    .collect(),
-            ),
+            (CpuStorage::F32(x), CpuStorage::F32(g)) => {
+                CpuStorage::F32(run_backward(&x[a0..a1], &g[b0..b1])?)
+            }
+            (CpuStorage::F64(x), CpuStorage::F64(g)) => {
+                CpuStorage::F64(run_backward(&x[a0..a1], &g[b0..b1])?)
+            }
             _ => bail!(
                 "{}: unsupported dtypes {:?}, {:?}",
                 self.name(),

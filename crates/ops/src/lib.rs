@@ -1,35 +1,44 @@
 //! # switchyard-ops: differentiable building blocks for training on candle
 //!
 //! A handful of functions that every transformer needs, each of which **has a correct
-//! backward pass**. Several look-alikes in `candle-nn` (`ops::softmax_last_dim`,
-//! `ops::layer_norm`, `ops::rms_norm`, `LayerNorm::forward`) are inference kernels without
-//! a backward: gradients silently stop at them. This crate depends on `candle-core` only
-//! and never calls into `candle-nn`.
+//! backward pass**, and each a fused kernel for training speed. Several look-alikes in
+//! `candle-nn` (`ops::softmax_last_dim`, `ops::layer_norm`, `ops::rms_norm`,
+//! `LayerNorm::forward`) are inference kernels without a backward: gradients silently stop
+//! at them. This crate depends on `candle-core` (and the `gemm` crate candle itself uses
+//! for its products) and never calls into `candle-nn`.
 //!
 //! | function | math |
 //! |---|---|
 //! | [`layer_norm`] | `(x − mean) / sqrt(var + eps) · weight + bias` over the last dim (biased variance) |
 //! | [`gelu`] | `0.5 · x · (1 + tanh(√(2/π) · (x + 0.044715 · x³)))` (the tanh approximation of GPT-2) |
 //! | [`linear`] | `x · wᵀ + b`, with `w` stored `[out, in]` as in PyTorch |
+//! | [`linear_gelu`] | `gelu(x · wᵀ + b)` |
+//! | [`linear_with`] | the above, with collectives on the output and the input gradient (tensor parallelism) |
 //! | [`causal_self_attention`] | `softmax(q · kᵀ / √hd + M) · v`, `M` = 0 on and below the diagonal, −∞ above |
+//! | [`causal_attention_packed`] | the same on a fused `[B, T, 3·H·hd]` qkv projection, giving `[B, T, H·hd]` |
 //! | [`cross_entropy`] | `mean_i (logsumexp(z_i) − z_i[t_i])` |
+//! | [`cross_entropy_parallel`] | the same over a vocabulary-parallel slice of the logits |
 //!
 //! ## Design
 //!
-//! * **Small and stable API.** Plain functions on [`Tensor`]s, no modules and no state, so
-//!   the internals can be swapped for fused kernels (custom ops with a hand-written
-//!   backward) without touching a caller. The tests check values and gradients against
-//!   independent reference math (plain Rust loops and finite differences), never against
-//!   the implementation.
-//! * **Composite where candle's primitives are exact.** [`layer_norm`], [`linear`],
-//!   [`causal_self_attention`] and [`cross_entropy`] are built from candle primitives
-//!   that all have a backward. Softmax and log-sum-exp subtract a *detached* row maximum:
-//!   the shift cancels mathematically, so the gradient stays exact and nothing overflows.
-//! * **[`gelu`] is a custom op.** `Tensor::gelu` computes the right forward, but its
-//!   backward uses constants rounded to six digits (a ~1e-7 relative error in the
-//!   gradient). [`gelu`] runs one fused forward pass for `f32`/`f64` and a fused,
-//!   exact derivative in its backward; other dtypes fall back to a composite of
-//!   primitives.
+//! * **Small and stable API.** Plain functions on [`Tensor`]s, no modules and no state.
+//!   The tests check values and gradients against independent reference math (plain Rust
+//!   loops and finite differences), never against the implementation.
+//! * **Fused custom ops with a hand-written backward** for `f32` and `f64` (other dtypes
+//!   fall back to candle primitives). Each function is one node of candle's graph instead
+//!   of a chain of primitives: candle allocates and zero-fills a gradient for every node
+//!   it backpropagates through, so fewer nodes is less memory traffic. Each op keeps what
+//!   its backward needs (a pre-activation, row statistics, a log-sum-exp) and no more:
+//!   attention recomputes its probabilities flash-style instead of storing `(B, H, T, T)`.
+//! * **Fast kernels.** Products go through the `gemm` crate with its AVX-512 kernels,
+//!   writing into uninitialised outputs (the bias placed first, the product accumulated
+//!   onto it); element-wise and row kernels are compiled twice, for AVX-512 (chosen at
+//!   run time) and for the baseline CPU, with a polynomial `exp` that vectorises. Work is
+//!   split over the current rayon pool: a worker's own threads.
+//! * **Exact where it matters.** Softmax and log-sum-exp subtract the row maximum, so
+//!   nothing overflows. `f32` uses the fast `exp` and `tanh` (within a few ulp); `f64`
+//!   uses the standard library's. GELU's backward is the exact derivative
+//!   (`Tensor::gelu`'s backward uses constants rounded to six digits).
 //!
 //! ## Example
 //!
@@ -53,17 +62,24 @@
 //! # Ok(())
 //! # }
 //! ```
+//!
+//! ## Tutorial
+//!
+//! [Chapter 5, "Bring your own model"](https://github.com/switchyard-rs/switchyard/blob/main/docs/tutorial/05-bring-your-own-model.md) builds
+//! a model from these functions and the layers of `switchyard-shard` (example
+//! `own_model`).
 
 mod attention;
 mod gelu;
+mod kernel;
 mod linear;
 mod loss;
 mod norm;
 
-pub use attention::causal_self_attention;
+pub use attention::{causal_attention_packed, causal_self_attention};
 pub use gelu::gelu;
-pub use linear::linear;
-pub use loss::cross_entropy;
+pub use linear::{linear, linear_gelu, linear_with, LinearOptions, Reduce};
+pub use loss::{cross_entropy, cross_entropy_parallel};
 pub use norm::layer_norm;
 
 #[cfg(doc)]

@@ -1,11 +1,68 @@
-//! The affine map `x · wᵀ + b` with PyTorch's `[out, in]` weight layout.
+//! The affine map `x · wᵀ + b` with PyTorch's `[out, in]` weight layout, as one fused op
+//! with a hand-written backward, optionally followed by GELU, with hooks for tensor
+//! parallelism.
+//!
+//! Forward: one matrix product that writes straight into the output (the bias is placed
+//! in the output first and the product accumulates onto it: no zero-fill, no separate
+//! bias pass), then GELU in place when asked. Backward: `dX = G·W`, `dW = Gᵀ·X` and
+//! `db = Σ_rows G`, three passes over `G`, with `G` first multiplied by GELU's derivative
+//! at the saved pre-activation. Candle sees one node instead of matmul, transposes,
+//! reshapes, a broadcast add and GELU, so it allocates and accumulates one gradient per
+//! input instead of one per intermediate.
 
-use candle_core::{bail, Result, Tensor, D};
+use std::borrow::Cow;
+use std::sync::{Arc, OnceLock};
+
+use candle_core::backend::BackendStorage;
+use candle_core::{
+    bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor, D,
+};
+use rayon::prelude::*;
+
+use crate::gelu::{gelu_backward_slice, gelu_forward_slice};
+use crate::kernel::{self, matmul, simd, slice, uninit, view, Float, Mat};
+
+/// A collective that a fused op applies to a tensor it computes, e.g. an all-reduce (sum)
+/// over a tensor-parallel group. Every rank of the group must call it in the same order.
+pub type Reduce = Arc<dyn Fn(&Tensor) -> Result<Tensor> + Send + Sync>;
+
+/// What [`linear_with`] adds around the product.
+#[derive(Clone, Default)]
+pub struct LinearOptions {
+    /// Apply GELU (tanh approximation) to the result: `gelu(x · wᵀ + b)`.
+    pub gelu: bool,
+    /// Reduce `x · wᵀ` (before the bias) with this collective: a row-parallel layer's
+    /// `g`, fused with its bias. The backward pass is the identity, as for `g`.
+    pub reduce_output: Option<Reduce>,
+    /// Reduce the input gradient with this collective: a column-parallel layer's `f`.
+    pub reduce_input_grad: Option<Reduce>,
+}
 
 /// `y = x · wᵀ + b` for `x` of shape `[.., in]` (rank 2 or 3, e.g. `[N, in]` or
 /// `[B, T, in]`), `w` of shape `[out, in]` (PyTorch layout) and an optional bias `[out]`.
 /// Returns `[.., out]`.
 pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+    linear_with(x, w, b, &LinearOptions::default())
+}
+
+/// `gelu(x · wᵀ + b)` ([`crate::gelu`]'s tanh approximation) in one fused op: the MLP's
+/// first layer. Shapes as [`linear`].
+pub fn linear_gelu(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+    let opts = LinearOptions {
+        gelu: true,
+        ..LinearOptions::default()
+    };
+    linear_with(x, w, b, &opts)
+}
+
+/// [`linear`] with the options of [`LinearOptions`]: GELU after the bias, a collective on
+/// the output, a collective on the input gradient.
+pub fn linear_with(
+    x: &Tensor,
+    w: &Tensor,
+    b: Option<&Tensor>,
+    opts: &LinearOptions,
+) -> Result<Tensor> {
     let (out_f, in_f) = match w.dims() {
         &[o, i] => (o, i),
         d => bail!("linear: the weight must have shape [out, in], got {d:?}"),
@@ -24,16 +81,299 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
             );
         }
     }
-    let y = match *x.dims() {
-        [_, _] => x.matmul(&w.t()?)?,
-        [bs, t, _] => x
-            .reshape((bs * t, in_f))?
-            .matmul(&w.t()?)?
-            .reshape((bs, t, out_f))?,
-        _ => unreachable!("rank checked above"),
-    };
-    match b {
-        Some(b) => y.broadcast_add(b),
-        None => Ok(y),
+    match x.dtype() {
+        DType::F32 | DType::F64 => {
+            let op = Linear {
+                opts: opts.clone(),
+                pre: OnceLock::new(),
+            };
+            let (x, w) = (x.contiguous()?, w.contiguous()?);
+            match b {
+                Some(b) => x.apply_op3(&w, &b.contiguous()?, op),
+                None => x.apply_op2(&w, op),
+            }
+        }
+        _ => composite(x, w, b, opts),
+    }
+}
+
+/// Other dtypes: candle primitives.
+fn composite(x: &Tensor, w: &Tensor, b: Option<&Tensor>, opts: &LinearOptions) -> Result<Tensor> {
+    let in_f = w.dim(1)?;
+    let mut dims = x.dims().to_vec();
+    let rows = x.elem_count() / in_f;
+    let mut y = x.reshape((rows, in_f))?.matmul(&w.t()?)?;
+    if let Some(r) = &opts.reduce_output {
+        y = r(&y)?;
+    }
+    if let Some(b) = b {
+        y = y.broadcast_add(b)?;
+    }
+    *dims.last_mut().expect("rank ≥ 2") = w.dim(0)?;
+    let y = y.reshape(dims)?;
+    match opts.gelu {
+        true => crate::gelu(&y),
+        false => Ok(y),
+    }
+}
+
+struct Linear {
+    opts: LinearOptions,
+    /// The pre-activation, kept for GELU's derivative.
+    pre: OnceLock<CpuStorage>,
+}
+
+simd! {
+    /// Adds `b` to every `b.len()`-wide row of `y`.
+    fn add_rows<T>(y: &mut [T], b: &[T]) {
+        for row in y.chunks_exact_mut(b.len()) {
+            for (v, &c) in row.iter_mut().zip(b) {
+                *v += c;
+            }
+        }
+    }
+}
+
+simd! {
+    /// `acc[j] += Σ_rows g[row, j]` over the `acc.len()`-wide rows of `g`.
+    fn col_sums<T>(g: &[T], acc: &mut [T]) {
+        for row in g.chunks_exact(acc.len()) {
+            for (a, &v) in acc.iter_mut().zip(row) {
+                *a += v;
+            }
+        }
+    }
+}
+
+/// `Σ_rows g` of a `[rows, width]` matrix, split over the pool's threads.
+pub(crate) fn column_sums<T: Float>(g: &[T], width: usize) -> Vec<T> {
+    let rows = g.len() / width.max(1);
+    let per = kernel::rows_per_task(rows) * width;
+    let parts: Vec<Vec<T>> = g
+        .par_chunks(per.max(1))
+        .map(|chunk| {
+            let mut acc = vec![T::zero(); width];
+            col_sums(chunk, &mut acc);
+            acc
+        })
+        .collect();
+    let mut total = vec![T::zero(); width];
+    for p in parts {
+        for (t, v) in total.iter_mut().zip(p) {
+            *t += v;
+        }
+    }
+    total
+}
+
+impl Linear {
+    fn name(&self) -> &'static str {
+        if self.opts.gelu {
+            "switchyard-linear-gelu"
+        } else {
+            "switchyard-linear"
+        }
+    }
+
+    fn forward<T: Float>(
+        &self,
+        x: &[T],
+        w: &[T],
+        b: Option<&[T]>,
+        shape: &Shape,
+        w_layout: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (out_f, in_f) = w_layout.shape().dims2()?;
+        let rows = x.len() / in_f.max(1);
+        let mut y = uninit::<T>(rows * out_f)?;
+        let bias_first = b.is_some() && self.opts.reduce_output.is_none();
+        if let (true, Some(b)) = (bias_first, b) {
+            for row in y.chunks_exact_mut(out_f) {
+                row.copy_from_slice(b);
+            }
+        }
+        matmul(
+            rows,
+            out_f,
+            in_f,
+            &mut y,
+            out_f,
+            bias_first,
+            Mat::rows(x, in_f),
+            Mat::rows(w, in_f).t(),
+            true,
+        );
+        if let Some(reduce) = &self.opts.reduce_output {
+            let t = reduce(&kernel::tensor(y, (rows, out_f))?)?;
+            y = t.flatten_all()?.to_vec1::<T>()?;
+            if let Some(b) = b {
+                add_rows(&mut y, b);
+            }
+        }
+        let mut out_dims = shape.dims().to_vec();
+        *out_dims.last_mut().expect("rank ≥ 2") = out_f;
+        if !self.opts.gelu {
+            return Ok((T::to_cpu_storage_owned(y), Shape::from(out_dims)));
+        }
+        let mut out = uninit::<T>(y.len())?;
+        gelu_forward_slice(&y, &mut out);
+        let _ = self.pre.set(T::to_cpu_storage_owned(y));
+        Ok((T::to_cpu_storage_owned(out), Shape::from(out_dims)))
+    }
+
+    /// `(dx, dw, db)`; `dx` only when `need_dx`.
+    #[allow(clippy::type_complexity)]
+    fn backward<T: Float>(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        has_bias: bool,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Tensor, Option<Tensor>)> {
+        let name = self.name();
+        let (out_f, in_f) = w.dims2()?;
+        let grad = grad.contiguous()?;
+        let (xv, wv, gv) = (view(x, name)?, view(w, name)?, view(&grad, name)?);
+        let (xs, ws, g) = (xv.get::<T>()?, wv.get::<T>()?, gv.get::<T>()?);
+        let rows = xs.len() / in_f;
+        let g: Cow<[T]> = if self.opts.gelu {
+            let Some(pre) = self.pre.get() else {
+                bail!("{name}: backward before forward")
+            };
+            let pre = T::cpu_storage_as_slice(pre)?;
+            let mut d = uninit::<T>(g.len())?;
+            gelu_backward_slice(pre, g, &mut d);
+            Cow::Owned(d)
+        } else {
+            Cow::Borrowed(g)
+        };
+        let dx = if x.track_op() {
+            let mut dx = uninit::<T>(rows * in_f)?;
+            matmul(
+                rows,
+                in_f,
+                out_f,
+                &mut dx,
+                in_f,
+                false,
+                Mat::rows(&g, out_f),
+                Mat::rows(ws, in_f),
+                true,
+            );
+            let dx = kernel::tensor(dx, x.shape().clone())?;
+            Some(match &self.opts.reduce_input_grad {
+                Some(reduce) => reduce(&dx)?,
+                None => dx,
+            })
+        } else {
+            None
+        };
+        let mut dw = uninit::<T>(out_f * in_f)?;
+        matmul(
+            out_f,
+            in_f,
+            rows,
+            &mut dw,
+            in_f,
+            false,
+            Mat::rows(&g, out_f).t(),
+            Mat::rows(xs, in_f),
+            true,
+        );
+        let dw = kernel::tensor(dw, (out_f, in_f))?;
+        let db = match has_bias {
+            true => Some(kernel::tensor(column_sums(&g, out_f), out_f)?),
+            false => None,
+        };
+        Ok((dx, dw, db))
+    }
+}
+
+impl CustomOp3 for Linear {
+    fn name(&self) -> &'static str {
+        Linear::name(self)
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let n = Linear::name(self);
+        match s1.dtype() {
+            DType::F32 => self.forward::<f32>(
+                slice(s1, l1, n)?,
+                slice(s2, l2, n)?,
+                Some(slice(s3, l3, n)?),
+                l1.shape(),
+                l2,
+            ),
+            DType::F64 => self.forward::<f64>(
+                slice(s1, l1, n)?,
+                slice(s2, l2, n)?,
+                Some(slice(s3, l3, n)?),
+                l1.shape(),
+                l2,
+            ),
+            d => bail!("{n}: unsupported dtype {d:?}"),
+        }
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _b: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (dx, dw, db) = match x.dtype() {
+            DType::F32 => self.backward::<f32>(x, w, true, grad)?,
+            _ => self.backward::<f64>(x, w, true, grad)?,
+        };
+        Ok((dx, Some(dw), db))
+    }
+}
+
+impl CustomOp2 for Linear {
+    fn name(&self) -> &'static str {
+        Linear::name(self)
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let n = Linear::name(self);
+        match s1.dtype() {
+            DType::F32 => {
+                self.forward::<f32>(slice(s1, l1, n)?, slice(s2, l2, n)?, None, l1.shape(), l2)
+            }
+            DType::F64 => {
+                self.forward::<f64>(slice(s1, l1, n)?, slice(s2, l2, n)?, None, l1.shape(), l2)
+            }
+            d => bail!("{n}: unsupported dtype {d:?}"),
+        }
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let (dx, dw, _) = match x.dtype() {
+            DType::F32 => self.backward::<f32>(x, w, false, grad)?,
+            _ => self.backward::<f64>(x, w, false, grad)?,
+        };
+        Ok((dx, Some(dw)))
     }
 }

@@ -1,12 +1,21 @@
-//! Mean cross-entropy over rows of logits.
+//! Mean cross-entropy over rows of logits, as one fused op: each row's maximum, sum of
+//! exponentials and target logit in one pass forward; `(softmax − onehot) / N` in one
+//! pass backward, from the saved log-sum-exp.
 
-use candle_core::{bail, DType, Result, Tensor};
+use std::sync::OnceLock;
+
+use candle_core::backend::BackendStorage;
+use candle_core::{bail, CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
+use rayon::prelude::*;
+
+use crate::kernel::{self, max, simd, slice, uninit, view, Float};
+use crate::Reduce;
 
 /// `mean_i (logsumexp(logits_i) − logits_i[targets_i])` for `logits` of shape `[N, V]`
 /// and `targets` of shape `[N]` (dtype `u32`, each in `0..V`). Returns a scalar.
 ///
-/// Numerically stable: the detached row maximum is subtracted before `exp`. The gradient
-/// with respect to the logits is `(softmax(logits) − onehot(targets)) / N`.
+/// Numerically stable: the row maximum is subtracted before `exp`. The gradient with
+/// respect to the logits is `(softmax(logits) − onehot(targets)) / N`.
 pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     let (n, v) = match logits.dims() {
         &[n, v] => (n, v),
@@ -22,17 +31,203 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     if n == 0 {
         bail!("cross_entropy: no rows (N = 0), the mean is undefined");
     }
-    if let Some((row, t)) = targets
-        .to_vec1::<u32>()?
-        .into_iter()
-        .enumerate()
-        .find(|&(_, t)| t as usize >= v)
-    {
+    let tg = targets.to_vec1::<u32>()?;
+    if let Some((row, t)) = tg.iter().enumerate().find(|&(_, &t)| t as usize >= v) {
         bail!("cross_entropy: target {t} of row {row} is out of range for {v} classes");
     }
-    let max = logits.max_keepdim(1)?.detach();
-    let shifted = logits.broadcast_sub(&max)?;
-    let lse = shifted.exp()?.sum_keepdim(1)?.log()?;
-    let picked = shifted.gather(&targets.unsqueeze(1)?.contiguous()?, 1)?;
-    (lse - picked)?.mean_all()
+    if !matches!(logits.dtype(), DType::F32 | DType::F64) {
+        let max = logits.max_keepdim(1)?.detach();
+        let shifted = logits.broadcast_sub(&max)?;
+        let lse = shifted.exp()?.sum_keepdim(1)?.log()?;
+        let picked = shifted.gather(&targets.unsqueeze(1)?.contiguous()?, 1)?;
+        return (lse - picked)?.mean_all();
+    }
+    apply(logits, tg, 0, None)
+}
+
+/// Cross-entropy over vocabulary-parallel logits: `local_logits` `[N, V/p]` holds the
+/// classes `vocab_start..vocab_start + V/p` of the full `[N, V]` logits. `reduce_max` and
+/// `reduce_sum` are all-reduces (max, sum) over the group that holds the other slices;
+/// each is called once forward, in that order, and nothing communicates backward. The
+/// value is the full cross-entropy; the gradient is this slice of the full gradient.
+///
+/// `targets` are the full `[N]` class ids (u32), the same on every rank; the caller
+/// checks that they are in range.
+pub fn cross_entropy_parallel(
+    local_logits: &Tensor,
+    targets: &Tensor,
+    vocab_start: usize,
+    reduce_max: Reduce,
+    reduce_sum: Reduce,
+) -> Result<Tensor> {
+    let tg = targets.to_vec1::<u32>()?;
+    if local_logits.rank() != 2 || local_logits.dim(0)? != tg.len() || tg.is_empty() {
+        bail!(
+            "cross_entropy_parallel: logits {:?} must be [N, V/p] with N = {} > 0 targets",
+            local_logits.dims(),
+            tg.len()
+        );
+    }
+    apply(
+        local_logits,
+        tg,
+        vocab_start,
+        Some((reduce_max, reduce_sum)),
+    )
+}
+
+fn apply(
+    logits: &Tensor,
+    targets: Vec<u32>,
+    start: usize,
+    reduce: Option<(Reduce, Reduce)>,
+) -> Result<Tensor> {
+    logits.contiguous()?.apply_op1(CrossEntropy {
+        targets,
+        start,
+        reduce,
+        lse: OnceLock::new(),
+    })
+}
+
+struct CrossEntropy {
+    targets: Vec<u32>,
+    /// The first class of the local slice.
+    start: usize,
+    reduce: Option<(Reduce, Reduce)>,
+    /// Per row: the log-sum-exp over the full vocabulary.
+    lse: OnceLock<CpuStorage>,
+}
+
+impl CrossEntropy {
+    /// The local column of row `r`'s target, if this slice holds it.
+    fn local_target(&self, r: usize, width: usize) -> Option<usize> {
+        let t = self.targets[r] as usize;
+        (self.start..self.start + width)
+            .contains(&t)
+            .then(|| t - self.start)
+    }
+}
+
+simd! {
+    /// `Σ_j exp(z_j − m_r)` of each row `r` of `z`.
+    fn sum_exp<T>(z: &[T], width: usize, m: &[T], out: &mut [T]) {
+        for ((row, &m), o) in z.chunks_exact(width).zip(m).zip(out.iter_mut()) {
+            let mut acc = [T::zero(); 16];
+            let mut chunks = row.chunks_exact(16);
+            for c in &mut chunks {
+                for i in 0..16 {
+                    acc[i] += (c[i] - m).exp();
+                }
+            }
+            let mut s = T::zero();
+            for &v in chunks.remainder() {
+                s += (v - m).exp();
+            }
+            for a in acc {
+                s += a;
+            }
+            *o = s;
+        }
+    }
+}
+
+simd! {
+    /// `dz = exp(z − lse_r) · scale` over the rows of `z`.
+    fn softmax_scaled<T>(z: &[T], width: usize, lse: &[T], scale: T, dz: &mut [T]) {
+        for ((row, &l), drow) in z.chunks_exact(width).zip(lse).zip(dz.chunks_exact_mut(width)) {
+            for (d, &v) in drow.iter_mut().zip(row) {
+                *d = (v - l).exp() * scale;
+            }
+        }
+    }
+}
+
+impl CrossEntropy {
+    fn forward<T: Float>(&self, z: &[T], width: usize) -> Result<T> {
+        let n = self.targets.len();
+        let mut m: Vec<T> = z.par_chunks(width).map(max).collect();
+        if let Some((reduce_max, _)) = &self.reduce {
+            m = reduce_max(&kernel::tensor(m, n)?)?.to_vec1::<T>()?;
+        }
+        let mut s = uninit::<T>(n)?;
+        let per = kernel::rows_per_task(n);
+        s.par_chunks_mut(per)
+            .zip(z.par_chunks(per * width).zip(m.par_chunks(per)))
+            .for_each(|(s, (z, m))| sum_exp(z, width, m, s));
+        let mut picked: Vec<T> = (0..n)
+            .map(|r| match self.local_target(r, width) {
+                Some(j) => z[r * width + j] - m[r],
+                None => T::zero(),
+            })
+            .collect();
+        if let Some((_, reduce_sum)) = &self.reduce {
+            let both: Vec<T> = s.iter().zip(&picked).flat_map(|(&a, &b)| [a, b]).collect();
+            let both = reduce_sum(&kernel::tensor(both, (n, 2))?)?.flatten_all()?;
+            let both = both.to_vec1::<T>()?;
+            for (r, pair) in both.chunks_exact(2).enumerate() {
+                s[r] = pair[0];
+                picked[r] = pair[1];
+            }
+        }
+        let mut total = 0.0f64;
+        let lse: Vec<T> = (0..n)
+            .map(|r| {
+                let ls = s[r].ln();
+                total += (ls - picked[r]).to_f64();
+                m[r] + ls
+            })
+            .collect();
+        let _ = self.lse.set(T::to_cpu_storage_owned(lse));
+        Ok(T::from_f64(total / n as f64))
+    }
+
+    fn backward<T: Float>(&self, z: &Tensor, grad: &Tensor) -> Result<Tensor> {
+        let name = "switchyard-cross-entropy";
+        let (n, width) = z.dims2()?;
+        let g = grad.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+        let scale = T::from_f64(g / n as f64);
+        let zv = view(z, name)?;
+        let zs = zv.get::<T>()?;
+        let Some(lse) = self.lse.get() else {
+            bail!("{name}: backward before forward")
+        };
+        let lse = T::cpu_storage_as_slice(lse)?;
+        let mut dz = uninit::<T>(zs.len())?;
+        let per = kernel::rows_per_task(n);
+        dz.par_chunks_mut(per * width)
+            .zip(zs.par_chunks(per * width).zip(lse.par_chunks(per)))
+            .for_each(|(d, (z, l))| softmax_scaled(z, width, l, scale, d));
+        for r in 0..n {
+            if let Some(j) = self.local_target(r, width) {
+                dz[r * width + j] -= scale;
+            }
+        }
+        kernel::tensor(dz, (n, width))
+    }
+}
+
+impl CustomOp1 for CrossEntropy {
+    fn name(&self) -> &'static str {
+        "switchyard-cross-entropy"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (_, width) = l.shape().dims2()?;
+        let n = self.name();
+        let out = match s.dtype() {
+            DType::F32 => CpuStorage::F32(vec![self.forward::<f32>(slice(s, l, n)?, width)?]),
+            DType::F64 => CpuStorage::F64(vec![self.forward::<f64>(slice(s, l, n)?, width)?]),
+            d => bail!("{n}: unsupported dtype {d:?}"),
+        };
+        Ok((out, Shape::from(())))
+    }
+
+    fn bwd(&self, z: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        let d = match z.dtype() {
+            DType::F32 => self.backward::<f32>(z, grad)?,
+            _ => self.backward::<f64>(z, grad)?,
+        };
+        Ok(Some(d))
+    }
 }

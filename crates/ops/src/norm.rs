@@ -1,6 +1,17 @@
-//! LayerNorm over the last dim, differentiable in the input, the weight and the bias.
+//! LayerNorm over the last dim, differentiable in the input, the weight and the bias: one
+//! fused op forward (mean, variance and the affine map in one pass per row) and one
+//! backward (the input, weight and bias gradients in one pass per row).
+//!
+//! With `x̂ = (x − μ)·r`, `r = 1/√(σ² + ε)` and `ĝ = g ⊙ w` per row of `d` elements:
+//! `dx = r · (ĝ − mean(ĝ) − x̂ · mean(ĝ ⊙ x̂))`, `dw = Σ_rows g ⊙ x̂`, `db = Σ_rows g`.
 
-use candle_core::{bail, Result, Tensor, D};
+use std::sync::OnceLock;
+
+use candle_core::backend::BackendStorage;
+use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, D};
+use rayon::prelude::*;
+
+use crate::kernel::{self, dot, simd, slice, sum, uninit, view, Float};
 
 /// LayerNorm over the last dim of `x`:
 /// `y = (x − mean(x)) / sqrt(var(x) + eps) · weight + bias`, where `var` is the biased
@@ -18,11 +29,189 @@ pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Resul
             x.dims()
         );
     }
-    let mean = x.mean_keepdim(D::Minus1)?;
-    let xc = x.broadcast_sub(&mean)?;
-    let var = xc.sqr()?.mean_keepdim(D::Minus1)?;
-    let rstd = (var + eps)?.sqrt()?.recip()?;
-    xc.broadcast_mul(&rstd)?
-        .broadcast_mul(weight)?
-        .broadcast_add(bias)
+    match x.dtype() {
+        DType::F32 | DType::F64 => {
+            let op = LayerNorm {
+                eps,
+                stats: OnceLock::new(),
+            };
+            x.contiguous()?
+                .apply_op3(&weight.contiguous()?, &bias.contiguous()?, op)
+        }
+        _ => {
+            let mean = x.mean_keepdim(D::Minus1)?;
+            let xc = x.broadcast_sub(&mean)?;
+            let var = xc.sqr()?.mean_keepdim(D::Minus1)?;
+            let rstd = (var + eps)?.sqrt()?.recip()?;
+            xc.broadcast_mul(&rstd)?
+                .broadcast_mul(weight)?
+                .broadcast_add(bias)
+        }
+    }
+}
+
+struct LayerNorm {
+    eps: f64,
+    /// Per row: the mean and `1/√(σ² + ε)`, interleaved.
+    stats: OnceLock<CpuStorage>,
+}
+
+simd! {
+    /// Normalises the `w.len()`-wide rows of `x` into `y`, recording each row's mean and
+    /// reciprocal standard deviation in `stats`.
+    fn ln_rows<T>(x: &[T], w: &[T], b: &[T], eps: f64, y: &mut [T], stats: &mut [T]) {
+        let d = w.len();
+        let inv_d = T::from_f64(1.0 / d as f64);
+        let eps = T::from_f64(eps);
+        for ((xr, yr), st) in x.chunks_exact(d).zip(y.chunks_exact_mut(d)).zip(stats.chunks_exact_mut(2)) {
+            let mean = sum(xr) * inv_d;
+            for (y, &x) in yr.iter_mut().zip(xr) {
+                *y = x - mean;
+            }
+            let var = dot(yr, yr) * inv_d;
+            let r = T::one() / (var + eps).sqrt();
+            for ((y, &w), &b) in yr.iter_mut().zip(w).zip(b) {
+                *y = *y * r * w + b;
+            }
+            st[0] = mean;
+            st[1] = r;
+        }
+    }
+}
+
+simd! {
+    /// The backward pass over rows: writes `dx` and accumulates `dw`, `db`.
+    /// `tmp` is scratch of one row.
+    fn ln_rows_bwd<T>(x: &[T], g: &[T], w: &[T], stats: &[T], dx: &mut [T], dw: &mut [T], db: &mut [T], tmp: &mut [T]) {
+        let d = w.len();
+        let inv_d = T::from_f64(1.0 / d as f64);
+        let rows = x.chunks_exact(d).zip(g.chunks_exact(d)).zip(dx.chunks_exact_mut(d));
+        for (((xr, gr), dxr), st) in rows.zip(stats.chunks_exact(2)) {
+            let (mean, r) = (st[0], st[1]);
+            // tmp = x̂; dxr = ĝ = g ⊙ w
+            for (t, &x) in tmp.iter_mut().zip(xr) {
+                *t = (x - mean) * r;
+            }
+            for ((o, &g), &w) in dxr.iter_mut().zip(gr).zip(w) {
+                *o = g * w;
+            }
+            let m1 = sum(dxr) * inv_d;
+            let m2 = dot(dxr, tmp) * inv_d;
+            for (o, &t) in dxr.iter_mut().zip(tmp.iter()) {
+                *o = r * (*o - m1 - t * m2);
+            }
+            for (((dw, db), &g), &t) in dw.iter_mut().zip(db.iter_mut()).zip(gr).zip(tmp.iter()) {
+                *dw += g * t;
+                *db += g;
+            }
+        }
+    }
+}
+
+impl LayerNorm {
+    fn forward<T: Float>(&self, x: &[T], w: &[T], b: &[T]) -> Result<Vec<T>> {
+        let d = w.len();
+        let rows = x.len() / d.max(1);
+        let mut y = uninit::<T>(x.len())?;
+        let mut stats = uninit::<T>(2 * rows)?;
+        let per = kernel::rows_per_task(rows);
+        y.par_chunks_mut(per * d)
+            .zip(x.par_chunks(per * d).zip(stats.par_chunks_mut(per * 2)))
+            .for_each(|(y, (x, st))| ln_rows(x, w, b, self.eps, y, st));
+        let _ = self.stats.set(T::to_cpu_storage_owned(stats));
+        Ok(y)
+    }
+
+    fn backward<T: Float>(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let name = "switchyard-layer-norm";
+        let grad = grad.contiguous()?;
+        let (xv, wv, gv) = (view(x, name)?, view(w, name)?, view(&grad, name)?);
+        let (xs, ws, g) = (xv.get::<T>()?, wv.get::<T>()?, gv.get::<T>()?);
+        let Some(stats) = self.stats.get() else {
+            bail!("{name}: backward before forward")
+        };
+        let stats = T::cpu_storage_as_slice(stats)?;
+        let d = ws.len();
+        let rows = xs.len() / d.max(1);
+        let per = kernel::rows_per_task(rows);
+        let mut dx = uninit::<T>(xs.len())?;
+        let parts: Vec<(Vec<T>, Vec<T>)> = dx
+            .par_chunks_mut(per * d)
+            .zip(xs.par_chunks(per * d).zip(g.par_chunks(per * d)))
+            .zip(stats.par_chunks(per * 2))
+            .map(|((dx, (x, g)), st)| {
+                let (mut dw, mut db, mut tmp) =
+                    (vec![T::zero(); d], vec![T::zero(); d], vec![T::zero(); d]);
+                ln_rows_bwd(x, g, ws, st, dx, &mut dw, &mut db, &mut tmp);
+                (dw, db)
+            })
+            .collect();
+        let (mut dw, mut db) = (vec![T::zero(); d], vec![T::zero(); d]);
+        for (pw, pb) in parts {
+            for (a, v) in dw.iter_mut().zip(pw) {
+                *a += v;
+            }
+            for (a, v) in db.iter_mut().zip(pb) {
+                *a += v;
+            }
+        }
+        Ok((
+            kernel::tensor(dx, x.shape().clone())?,
+            kernel::tensor(dw, d)?,
+            kernel::tensor(db, d)?,
+        ))
+    }
+}
+
+impl CustomOp3 for LayerNorm {
+    fn name(&self) -> &'static str {
+        "switchyard-layer-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let n = self.name();
+        let out = match s1.dtype() {
+            DType::F32 => CpuStorage::F32(self.forward::<f32>(
+                slice(s1, l1, n)?,
+                slice(s2, l2, n)?,
+                slice(s3, l3, n)?,
+            )?),
+            DType::F64 => CpuStorage::F64(self.forward::<f64>(
+                slice(s1, l1, n)?,
+                slice(s2, l2, n)?,
+                slice(s3, l3, n)?,
+            )?),
+            d => bail!("{n}: unsupported dtype {d:?}"),
+        };
+        Ok((out, l1.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _b: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (dx, dw, db) = match x.dtype() {
+            DType::F32 => self.backward::<f32>(x, w, grad)?,
+            _ => self.backward::<f64>(x, w, grad)?,
+        };
+        let dx = x.track_op().then_some(dx);
+        Ok((dx, Some(dw), Some(db)))
+    }
 }

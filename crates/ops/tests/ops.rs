@@ -3,9 +3,14 @@
 
 mod common;
 
+use std::sync::Arc;
+
 use candle_core::{DType, Device, Tensor, Var};
 use common::{assert_close, check, tensor, to_f64, Input, Rng};
-use switchyard_ops::{causal_self_attention, cross_entropy, gelu, layer_norm, linear};
+use switchyard_ops::{
+    causal_attention_packed, causal_self_attention, cross_entropy, cross_entropy_parallel, gelu,
+    layer_norm, linear, linear_gelu, linear_with, LinearOptions, Reduce,
+};
 
 fn input(name: &'static str, shape: &[usize], seed: u64, scale: f64) -> Input {
     let n = shape.iter().product();
@@ -384,4 +389,207 @@ fn every_input_of_a_composed_block_gets_a_gradient() {
             .unwrap();
         assert!(m > 0.0 && m.is_finite(), "{name}: gradient max {m}");
     }
+}
+
+// ---------------------------------------------------------------- fused variants
+
+#[test]
+fn linear_gelu_matches_reference() {
+    let inputs = [
+        input("x", &[2, 5, 19], 20, 1.0),
+        input("weight", &[23, 19], 21, 0.5),
+        input("bias", &[23], 22, 0.5),
+    ];
+    let pre = |v: &[Vec<f64>]| linear_ref(&v[0], &v[1], Some(&v[2]), 23);
+    check(
+        "linear_gelu",
+        &inputs,
+        &|t| linear_gelu(&t[0], &t[1], Some(&t[2])),
+        &|v| pre(v).iter().map(|&z| gelu_ref(z)).collect(),
+        Some(&|v, g| {
+            let gz: Vec<f64> = pre(v)
+                .iter()
+                .zip(g)
+                .map(|(&z, g)| g * gelu_deriv(z))
+                .collect();
+            linear_grad(v, &gz, 23)
+        }),
+    );
+}
+
+/// The tensor-parallel hooks, with a "collective" that doubles its input (the sum over 2
+/// ranks that hold the same tensor). Forward: `y = 2·x·wᵀ + b` (reduced before the bias).
+/// Backward follows Megatron's pairing rather than the local function: the output
+/// reduction's backward is the identity (each rank's partial product gets the full
+/// gradient), and the input gradient is reduced, so `dx = 2·G·W`, `dw = Gᵀ·X`,
+/// `db = Σ G`.
+#[test]
+fn linear_hooks_reduce_the_output_and_the_input_gradient() {
+    let double: Reduce = Arc::new(|t: &Tensor| t.affine(2.0, 0.0));
+    let opts = LinearOptions {
+        gelu: false,
+        reduce_output: Some(double.clone()),
+        reduce_input_grad: Some(double),
+    };
+    let vals = [
+        Rng::new(23).vec(7 * 6, 1.0),
+        Rng::new(24).vec(4 * 6, 0.5),
+        Rng::new(25).vec(4, 0.5),
+    ];
+    let g = Rng::new(26).vec(7 * 4, 1.0);
+    let vars: Vec<Var> = [(0, &[7usize, 6][..]), (1, &[4, 6]), (2, &[4])]
+        .iter()
+        .map(|&(i, s)| Var::from_tensor(&tensor(&vals[i], s, DType::F64)).unwrap())
+        .collect();
+    let t: Vec<&Tensor> = vars.iter().map(|v| v.as_tensor()).collect();
+    let y = linear_with(t[0], t[1], Some(t[2]), &opts).unwrap();
+    let want: Vec<f64> = linear_ref(&vals[0], &vals[1], None, 4)
+        .iter()
+        .enumerate()
+        .map(|(i, y)| 2.0 * y + vals[2][i % 4])
+        .collect();
+    assert_close("hooked value", &to_f64(&y), &want, 1e-12);
+    let gt = tensor(&g, &[7, 4], DType::F64);
+    let grads = (y * gt).unwrap().sum_all().unwrap().backward().unwrap();
+    let mut want = linear_grad(&vals, &g, 4);
+    want[0].iter_mut().for_each(|x| *x *= 2.0);
+    for (i, name) in ["dx", "dw", "db"].iter().enumerate() {
+        let got = to_f64(grads.get(t[i]).unwrap());
+        assert_close(name, &got, &want[i], 1e-12);
+    }
+}
+
+#[test]
+fn layer_norm_rows_wider_than_a_vector() {
+    let inputs = [
+        input("x", &[5, 37], 26, 2.0),
+        input("weight", &[37], 27, 1.0),
+        input("bias", &[37], 28, 1.0),
+    ];
+    check(
+        "layer_norm d=37",
+        &inputs,
+        &|t| layer_norm(&t[0], &t[1], &t[2], EPS),
+        &|v| ln_ref(&v[0], &v[1], &v[2]),
+        Some(&ln_grad),
+    );
+}
+
+/// Long enough (T = 70) to cross the kernel's 32-row causal blocks, with a partial
+/// last block.
+#[test]
+fn packed_causal_attention_matches_reference_across_blocks() {
+    let (b, h, t, hd) = (1, 2, 70, 3);
+    let dl = h * hd;
+    let inputs = [input("qkv", &[b, t, 3 * dl], 29, 1.5)];
+    // Unpack [B, T, 3·H·hd] into the (B·H, T, hd) layout of `attention_ref`.
+    let split = |x: &[f64], part: usize| -> Vec<f64> {
+        let mut out = Vec::with_capacity(b * h * t * hd);
+        for bi in 0..b {
+            for hi in 0..h {
+                for ti in 0..t {
+                    let row = (bi * t + ti) * 3 * dl + part * dl + hi * hd;
+                    out.extend_from_slice(&x[row..row + hd]);
+                }
+            }
+        }
+        out
+    };
+    let reference = |v: &[Vec<f64>]| -> Vec<f64> {
+        let o = attention_ref(
+            &split(&v[0], 0),
+            &split(&v[0], 1),
+            &split(&v[0], 2),
+            b * h,
+            t,
+            hd,
+        );
+        // Back to [B, T, H·hd].
+        let mut y = vec![0.0; b * t * dl];
+        for bi in 0..b {
+            for hi in 0..h {
+                for ti in 0..t {
+                    for d in 0..hd {
+                        y[(bi * t + ti) * dl + hi * hd + d] = o[((bi * h + hi) * t + ti) * hd + d];
+                    }
+                }
+            }
+        }
+        y
+    };
+    check(
+        "causal_attention_packed T=70",
+        &inputs,
+        &|x| causal_attention_packed(&x[0], h),
+        &reference,
+        None,
+    );
+}
+
+#[test]
+fn cross_entropy_wide_rows() {
+    let v = 37;
+    let targets = Tensor::new(&TARGETS, &Device::Cpu).unwrap();
+    let inputs = [input("logits", &[4, v], 30, 3.0)];
+    check(
+        "cross_entropy V=37",
+        &inputs,
+        &|x| cross_entropy(&x[0], &targets),
+        &|x| vec![ce_ref(&x[0], v)],
+        Some(&|x, g| vec![ce_grad(&x[0], v).iter().map(|d| d * g[0]).collect()]),
+    );
+}
+
+/// Rank 0 of 2 holds classes 0..4 of 7; the hooks add the other rank's contribution,
+/// computed here from the reference math, as an all-reduce would.
+#[test]
+fn vocabulary_parallel_cross_entropy_gives_the_slice_of_the_full_gradient() {
+    let (v, local) = (7, 4);
+    let full = Rng::new(31).vec(4 * v, 3.0);
+    let other: Vec<Vec<f64>> = full.chunks(v).map(|r| r[local..].to_vec()).collect();
+    let mine: Vec<f64> = full.chunks(v).flat_map(|r| r[..local].to_vec()).collect();
+    let other_max = Arc::new(
+        other
+            .iter()
+            .map(|r| r.iter().cloned().fold(f64::MIN, f64::max))
+            .collect::<Vec<_>>(),
+    );
+    let om = other_max.clone();
+    let reduce_max: Reduce = Arc::new(move |t: &Tensor| {
+        let m: Vec<f64> = to_f64(t)
+            .iter()
+            .zip(om.iter())
+            .map(|(a, b)| a.max(*b))
+            .collect();
+        Ok(tensor(&m, t.dims(), t.dtype()))
+    });
+    // The sum hook needs the global max of each row: the larger of both slices' maxima.
+    let global_max: Vec<f64> = full
+        .chunks(v)
+        .map(|r| r.iter().cloned().fold(f64::MIN, f64::max))
+        .collect();
+    let reduce_sum: Reduce = Arc::new(move |t: &Tensor| {
+        let mut s = to_f64(t);
+        for (r, pair) in s.chunks_mut(2).enumerate() {
+            pair[0] += other[r]
+                .iter()
+                .map(|z| (z - global_max[r]).exp())
+                .sum::<f64>();
+            let tg = TARGETS[r] as usize;
+            if tg >= local {
+                pair[1] += other[r][tg - local] - global_max[r];
+            }
+        }
+        Ok(tensor(&s, t.dims(), t.dtype()))
+    });
+    let targets = Tensor::new(&TARGETS, &Device::Cpu).unwrap();
+    let z = Var::from_tensor(&tensor(&mine, &[4, local], DType::F64)).unwrap();
+    let loss = cross_entropy_parallel(z.as_tensor(), &targets, 0, reduce_max, reduce_sum).unwrap();
+    assert_close("parallel loss", &to_f64(&loss), &[ce_ref(&full, v)], 1e-12);
+    let g = to_f64(loss.backward().unwrap().get(z.as_tensor()).unwrap());
+    let want: Vec<f64> = ce_grad(&full, v)
+        .chunks(v)
+        .flat_map(|r| r[..local].to_vec())
+        .collect();
+    assert_close("parallel grad", &g, &want, 1e-12);
 }

@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use candle_core::{Module, Result, Tensor};
 use switchyard_comm::Communicator;
-use switchyard_ops::causal_self_attention;
+use switchyard_ops::causal_attention_packed;
 
 use crate::error::ShardError;
 use crate::linear::{
@@ -68,7 +68,7 @@ impl ParallelSelfAttention {
         let name = vb.prefix().to_string();
         check_group(&name, &vb, comm.as_ref())?;
         let n = comm.world_size();
-        if n_head == 0 || d_model % n_head != 0 {
+        if n_head == 0 || !d_model.is_multiple_of(n_head) {
             return Err(ShardError::NotDivisible {
                 layer: name,
                 what: "d_model",
@@ -78,7 +78,7 @@ impl ParallelSelfAttention {
             }
             .into());
         }
-        if n_head % n != 0 {
+        if !n_head.is_multiple_of(n) {
             return Err(ShardError::NotDivisible {
                 layer: name,
                 what: "the number of heads",
@@ -123,18 +123,14 @@ impl ParallelSelfAttention {
     }
 
     /// `x` `[B, T, d]` (replicated) to `[B, T, d]` (replicated).
+    ///
+    /// Three fused ops: the qkv projection, causal attention straight on its packed output
+    /// (no transposes, no `(B, H, T, T)` tensors), and the output projection with its
+    /// all-reduce and bias.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let (b, t, _) = x.dims3()?;
-        let (hl, hd) = (self.local_heads, self.head_dim);
-        let dl = hl * hd;
+        x.dims3()?;
         let qkv = self.c_attn.forward(x)?; // [B, T, 3·d/p] = [q_i | k_i | v_i]
-        let heads = |k: usize| -> Result<Tensor> {
-            qkv.narrow(2, k * dl, dl)?
-                .reshape((b, t, hl, hd))?
-                .transpose(1, 2)
-        };
-        let y = causal_self_attention(&heads(0)?, &heads(1)?, &heads(2)?)?; // [B, hl, T, hd]
-        let y = y.transpose(1, 2)?.reshape((b, t, dl))?;
+        let y = causal_attention_packed(&qkv, self.local_heads)?; // [B, T, d/p]
         self.c_proj.forward(&y)
     }
 
@@ -151,6 +147,11 @@ impl ParallelSelfAttention {
     /// All heads (all ranks together).
     pub fn n_head(&self) -> usize {
         self.n_head
+    }
+
+    /// The width of one head.
+    pub fn head_dim(&self) -> usize {
+        self.head_dim
     }
 
     /// The heads this rank computes.

@@ -44,7 +44,7 @@ impl VocabParallelEmbedding {
         let name = vb.prefix().to_string();
         check_group(&name, vb, comm.as_ref())?;
         let n = comm.world_size();
-        if vocab_size % n != 0 {
+        if !vocab_size.is_multiple_of(n) {
             return Err(ShardError::NotDivisible {
                 layer: name,
                 what: "vocabulary size",

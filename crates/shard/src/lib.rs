@@ -62,6 +62,14 @@
 //! .unwrap();
 //! assert_eq!(grads, vec![vec![16, 8]; 2]); // each rank: half of c_fc's 32 rows
 //! ```
+//!
+//! ## Tutorials
+//!
+//! * [Chapter 3, "Tensor parallelism"](https://github.com/switchyard-rs/switchyard/blob/main/docs/tutorial/03-tensor-parallelism.md): the
+//!   Megatron math, `f` and `g`, and a tensor-parallel MLP checked against one device
+//!   (example `tensor_parallel`).
+//! * [Chapter 5, "Bring your own model"](https://github.com/switchyard-rs/switchyard/blob/main/docs/tutorial/05-bring-your-own-model.md): a
+//!   model of your own from these layers, with its parallel plan (example `own_model`).
 
 mod attention;
 pub mod collectives;

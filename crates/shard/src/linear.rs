@@ -20,15 +20,19 @@
 use std::sync::Arc;
 
 use candle_core::{Module, Result, Tensor, Var};
-use switchyard_comm::Communicator;
-use switchyard_ops::linear;
+use switchyard_comm::{Communicator, ReduceOp};
+use switchyard_ops::{linear_with, LinearOptions, Reduce};
 
-use crate::collectives::{
-    copy_to_region, gather_from_region, reduce_from_region, scatter_to_region,
-};
+use crate::collectives::{gather_from_region, scatter_to_region};
 use crate::error::ShardError;
 use crate::param::{Builder, Init};
 use crate::spec::ShardSpec;
+
+/// An all-reduce (sum) over `comm`, as a hook for the fused ops of `switchyard-ops`.
+pub(crate) fn all_reduce_hook(comm: &Arc<dyn Communicator>) -> Reduce {
+    let comm = comm.clone();
+    Arc::new(move |t: &Tensor| Ok(comm.all_reduce(t, ReduceOp::Sum)?))
+}
 
 /// Checks that `comm` is the tensor-parallel group the builder's store was made for.
 pub(crate) fn check_group(layer: &str, vb: &Builder, comm: &dyn Communicator) -> Result<()> {
@@ -152,12 +156,31 @@ impl ColumnParallelLinear {
 
     /// `x` `[.., in]` (replicated) to `[.., out/p]` (this rank's slice), or `[.., out]`
     /// with `gather_output`.
+    ///
+    /// One fused op: the product, the bias and, over a group of several ranks, `f` (the
+    /// all-reduce of the input gradient) in its backward pass.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let x = copy_to_region(x, &self.comm)?;
-        let y = linear(
-            &x,
+        self.forward_opts(x, false)
+    }
+
+    /// `gelu(forward(x))` (tanh approximation) as one fused op: the first layer of a
+    /// tensor-parallel MLP. GELU is element-wise, so it applies to each rank's slice (and
+    /// commutes with `gather_output`).
+    pub fn forward_gelu(&self, x: &Tensor) -> Result<Tensor> {
+        self.forward_opts(x, true)
+    }
+
+    fn forward_opts(&self, x: &Tensor, gelu: bool) -> Result<Tensor> {
+        let opts = LinearOptions {
+            gelu,
+            reduce_output: None,
+            reduce_input_grad: (self.comm.world_size() > 1).then(|| all_reduce_hook(&self.comm)),
+        };
+        let y = linear_with(
+            x,
             self.weight.as_tensor(),
             self.bias.as_ref().map(|b| b.as_tensor()),
+            &opts,
         )
         .map_err(|e| e.context(format!("{} (column-parallel linear)", self.name)))?;
         if !self.gather_output {
@@ -304,13 +327,20 @@ impl RowParallelLinear {
             true => x.clone(),
             false => scatter_to_region(x, x.rank().saturating_sub(1), &self.comm)?,
         };
-        let y = linear(&x, self.weight.as_tensor(), None)
-            .map_err(|e| e.context(format!("{} (row-parallel linear)", self.name)))?;
-        let y = reduce_from_region(&y, &self.comm)?;
-        match &self.bias {
-            Some(b) => y.broadcast_add(b.as_tensor()),
-            None => Ok(y),
-        }
+        let opts = LinearOptions {
+            gelu: false,
+            reduce_output: (self.comm.world_size() > 1).then(|| all_reduce_hook(&self.comm)),
+            reduce_input_grad: None,
+        };
+        // One fused op: the partial product, `g` (all-reduce forward, identity backward)
+        // and the bias, added once after the reduction.
+        linear_with(
+            &x,
+            self.weight.as_tensor(),
+            self.bias.as_ref().map(|b| b.as_tensor()),
+            &opts,
+        )
+        .map_err(|e| e.context(format!("{} (row-parallel linear)", self.name)))
     }
 
     /// This rank's weight shard `[out, in/p]`.

@@ -16,11 +16,11 @@
 
 use std::sync::Arc;
 
-use candle_core::{DType, Device, Result, Tensor};
+use candle_core::{DType, Result, Tensor};
 use switchyard_comm::{Communicator, ReduceOp};
 
-use crate::collectives::reduce_from_region;
 use crate::error::invalid;
+use crate::linear::all_reduce_hook;
 
 /// The mean cross-entropy of vocabulary-parallel logits: equal, in value and gradient, to
 /// `candle_nn::loss::cross_entropy` on the full `[N, V]` logits.
@@ -64,28 +64,18 @@ pub fn vocab_parallel_cross_entropy(
         )));
     }
 
-    let local_max = local_logits.max_keepdim(1)?.detach();
-    let max = match n {
-        1 => local_max,
-        _ => tp.all_reduce(&local_max, ReduceOp::Max)?,
+    if n == 1 {
+        return switchyard_ops::cross_entropy(local_logits, targets);
+    }
+    let max_hook: switchyard_ops::Reduce = {
+        let tp = tp.clone();
+        Arc::new(move |t: &Tensor| Ok(tp.all_reduce(t, ReduceOp::Max)?))
     };
-    let shifted = local_logits.broadcast_sub(&max)?;
-    let sum_exp = shifted.exp()?.sum_keepdim(1)?;
-
-    // The target logit on its owning rank, zero elsewhere.
-    let owned = |t: u32| (start..start + v_local).contains(&(t as usize));
-    let idx: Vec<u32> = tg
-        .iter()
-        .map(|&t| if owned(t) { t - start as u32 } else { 0 })
-        .collect();
-    let mask: Vec<f32> = tg.iter().map(|&t| f32::from(u8::from(owned(t)))).collect();
-    let dev = Device::Cpu;
-    let idx = Tensor::from_vec(idx, (n_rows, 1), &dev)?;
-    let mask = Tensor::from_vec(mask, (n_rows, 1), &dev)?.to_dtype(local_logits.dtype())?;
-    let picked = shifted.gather(&idx, 1)?.mul(&mask)?;
-
-    let both = reduce_from_region(&Tensor::cat(&[&sum_exp, &picked], 1)?, tp)?;
-    let sum_exp = both.narrow(1, 0, 1)?;
-    let picked = both.narrow(1, 1, 1)?;
-    (sum_exp.log()? - picked)?.mean_all()
+    switchyard_ops::cross_entropy_parallel(
+        local_logits,
+        targets,
+        start,
+        max_hook,
+        all_reduce_hook(tp),
+    )
 }

@@ -9,7 +9,6 @@ use std::sync::Arc;
 
 use candle_core::{Module, Result, Tensor};
 use switchyard_comm::Communicator;
-use switchyard_ops::gelu;
 
 use crate::attention::LayerInit;
 use crate::error::ShardError;
@@ -43,7 +42,7 @@ impl ParallelMlp {
         let name = vb.prefix().to_string();
         check_group(&name, &vb, comm.as_ref())?;
         let n = comm.world_size();
-        if hidden % n != 0 {
+        if !hidden.is_multiple_of(n) {
             return Err(ShardError::NotDivisible {
                 layer: name,
                 what: "the hidden size",
@@ -83,7 +82,7 @@ impl ParallelMlp {
 
     /// `x` `[.., d]` (replicated) to `[.., d]` (replicated).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        self.c_proj.forward(&gelu(&self.c_fc.forward(x)?)?)
+        self.c_proj.forward(&self.c_fc.forward_gelu(x)?)
     }
 
     /// The input projection.

@@ -75,7 +75,7 @@ impl ShardSpec {
                 if blocks == 0 {
                     return Err(invalid(format!("{what}: a split into 0 blocks")));
                 }
-                if full[dim] % (blocks * n) != 0 {
+                if !full[dim].is_multiple_of(blocks * n) {
                     return Err(ShardError::Indivisible {
                         what: what.to_string(),
                         dim,

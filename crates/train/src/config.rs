@@ -157,14 +157,14 @@ impl TrainConfig {
         let m = &self.model;
         m.validate()?;
         self.mesh().validate()?;
-        if m.n_head % self.tp != 0 {
+        if !m.n_head.is_multiple_of(self.tp) {
             return Err(format!(
                 "--tp {} does not divide the {} attention heads: each rank needs whole heads; \
                  use a --tp that divides {} or change --heads",
                 self.tp, m.n_head, m.n_head
             ));
         }
-        if m.vocab_size % self.tp != 0 {
+        if !m.vocab_size.is_multiple_of(self.tp) {
             return Err(format!(
                 "--tp {} does not divide the vocabulary of {}: use a --tp that divides it",
                 self.tp, m.vocab_size
@@ -173,7 +173,7 @@ impl TrainConfig {
         if self.microbatches == 0 || self.batch == 0 || self.steps == 0 {
             return Err("--batch, --microbatches and --steps must be at least 1".into());
         }
-        if self.batch % (self.dp * self.microbatches) != 0 {
+        if !self.batch.is_multiple_of(self.dp * self.microbatches) {
             return Err(format!(
                 "--batch {} does not split into --dp {} × --microbatches {}: use a batch that is a multiple of {}",
                 self.batch,

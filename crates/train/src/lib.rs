@@ -16,16 +16,36 @@
 //! * [`Worker`]: one rank's state and step, for tests and custom loops.
 //! * [`data`]: byte-level text, deterministic batches, evaluation windows.
 //!
-//! ```no_run
+//! ```
+//! use switchyard_models::GptConfig;
 //! use switchyard_train::{data::Corpus, train, TrainConfig, TrainOptions};
 //!
-//! let cfg = TrainConfig { steps: 50, ..TrainConfig::default() }; // pp 2 × tp 2
+//! // The default layout (pp 2 × tp 2, 1F1B, 4 microbatches) with a tiny model.
+//! let cfg = TrainConfig {
+//!     model: GptConfig::tiny(2),
+//!     seq_len: 16,
+//!     batch: 8,
+//!     steps: 5,
+//!     warmup: 2,
+//!     threads_per_worker: 1,
+//!     ..TrainConfig::default()
+//! };
 //! let report = train(&cfg, &Corpus::bundled(), &TrainOptions::default()).unwrap();
 //! println!("{}", report.render(&cfg));
+//! assert_eq!(report.steps.len(), 5);
+//! assert!(report.final_loss() < report.steps[0].loss);
 //! ```
 //!
-//! Tutorials: `docs/tutorial/01-quickstart.md` and `docs/tutorial/04-3d-parallelism.md`.
+//! ## Tutorials
+//!
+//! * [Chapter 1, "Quickstart"](https://github.com/switchyard-rs/switchyard/blob/main/docs/tutorial/01-quickstart.md): `switchyard train`,
+//!   the report, metrics and traces (example `quickstart`).
+//! * [Chapter 4, "Putting it together: dp × pp × tp"](https://github.com/switchyard-rs/switchyard/blob/main/docs/tutorial/04-3d-parallelism.md):
+//!   what a step does on the mesh (example `layout_3d`).
+//! * [Chapter 7, "Checkpoints"](https://github.com/switchyard-rs/switchyard/blob/main/docs/tutorial/07-checkpoints.md): resume, reshard,
+//!   export (example `checkpoints`).
 
+pub mod bench;
 pub mod checkpoint;
 mod config;
 pub mod data;

@@ -348,7 +348,7 @@ impl Sink {
             if done >= self.steps {
                 eprintln!();
             }
-        } else if done == 1 || done == self.steps || done % (self.steps / 10).max(1) == 0 {
+        } else if done == 1 || done == self.steps || done.is_multiple_of((self.steps / 10).max(1)) {
             eprintln!("{line}");
         }
     }

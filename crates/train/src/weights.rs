@@ -77,7 +77,10 @@ impl Weights {
                 let mut c = GptConfig::infer(&shapes, n_head)
                     .map_err(|e| anyhow!("{}: {e}", path.display()))?;
                 // nanoGPT ties its head and saves the table under both names.
-                let (w, h) = (tensors.get("transformer.wte.weight"), tensors.get("lm_head.weight"));
+                let (w, h) = (
+                    tensors.get("transformer.wte.weight"),
+                    tensors.get("lm_head.weight"),
+                );
                 if let (Some(w), Some(h)) = (w, h) {
                     c.tied_embeddings = w.dims() == h.dims() && max_abs_diff(w, h)? == 0.0;
                 }

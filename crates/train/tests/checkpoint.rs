@@ -289,8 +289,19 @@ fn a_nanogpt_state_dict_without_metadata_loads_with_its_tied_head() {
     let w = Weights::load(&dir, cfg.model.n_head).unwrap();
     // As PyTorch would save it: both names of the table, no switchyard metadata.
     let mut map = w.tensors.clone();
-    map.insert("lm_head.weight".into(), map["transformer.wte.weight"].clone());
-    map.insert("transformer.h.0.attn.bias".into(), candle_core::Tensor::ones((1, 1, 8, 8), candle_core::DType::F32, &candle_core::Device::Cpu).unwrap());
+    map.insert(
+        "lm_head.weight".into(),
+        map["transformer.wte.weight"].clone(),
+    );
+    map.insert(
+        "transformer.h.0.attn.bias".into(),
+        candle_core::Tensor::ones(
+            (1, 1, 8, 8),
+            candle_core::DType::F32,
+            &candle_core::Device::Cpu,
+        )
+        .unwrap(),
+    );
     let file = dir.join("torch.safetensors");
     candle_core::safetensors::save(&map, &file).unwrap();
     let back = Weights::load(&file, cfg.model.n_head).unwrap();

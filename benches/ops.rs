@@ -1,0 +1,145 @@
+//! The hot parts of a training step at the reference workload's shapes (4,096 tokens of
+//! d 256, 8 heads of 32, T 128), forward and forward + backward, on one thread:
+//!
+//! * `matmul`: the fused linear ops (`[4096, 256] → 768` as qkv, `→ 1024` with GELU as
+//!   the MLP's first layer, `[4096, 1024] → 256` as its second). Throughput is in FLOPs
+//!   (2 per multiply-add; backward is twice the forward), so criterion's `elem/s` reads
+//!   as FLOP/s.
+//! * `attention`: the packed causal attention (FLOPs of the causal half, 4·T²·hd/2 per
+//!   head forward, as the model count).
+//! * `layer_norm`, `cross_entropy` (`[4096, 256]` logits), `gelu`: elements/s.
+//!
+//! Run: `cargo bench --bench ops` (add `-- attention` to filter). `docs/PERFORMANCE.md`
+//! records the figures.
+
+#[global_allocator]
+static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+use candle_core::{DType, Device, Tensor, Var};
+use criterion::{criterion_group, Criterion, Throughput};
+use switchyard::ops;
+
+const TOKENS: usize = 4096;
+const D: usize = 256;
+const HEADS: usize = 8;
+const T: usize = 128;
+
+fn var(shape: &[usize], scale: f64) -> Var {
+    let t = Tensor::randn(0f32, scale as f32, shape, &Device::Cpu).unwrap();
+    Var::from_tensor(&t).unwrap()
+}
+
+/// Runs `f` on a one-thread rayon pool, as a worker of one core does.
+fn one_thread<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(1)
+        .build()
+        .unwrap()
+        .install(f)
+}
+
+fn matmul(c: &mut Criterion) {
+    let mut g = c.benchmark_group("matmul");
+    g.sample_size(10);
+    for (name, k, n, gelu) in [
+        ("qkv 256→768", D, 3 * D, false),
+        ("fc+gelu 256→1024", D, 4 * D, true),
+        ("proj 1024→256", 4 * D, D, false),
+    ] {
+        let x = var(&[TOKENS, k], 1.0);
+        let w = var(&[n, k], 0.02);
+        let b = var(&[n], 0.02);
+        let fwd = || match gelu {
+            true => ops::linear_gelu(x.as_tensor(), w.as_tensor(), Some(b.as_tensor())),
+            false => ops::linear(x.as_tensor(), w.as_tensor(), Some(b.as_tensor())),
+        };
+        let flops = 2 * TOKENS * k * n;
+        g.throughput(Throughput::Elements(flops as u64));
+        g.bench_function(format!("{name} forward"), |bch| {
+            bch.iter(|| one_thread(|| fwd().unwrap()))
+        });
+        g.throughput(Throughput::Elements(3 * flops as u64));
+        g.bench_function(format!("{name} forward+backward"), |bch| {
+            bch.iter(|| one_thread(|| fwd().unwrap().sum_all().unwrap().backward().unwrap()))
+        });
+    }
+    g.finish();
+}
+
+fn attention(c: &mut Criterion) {
+    let mut g = c.benchmark_group("attention");
+    g.sample_size(10);
+    let qkv = var(&[TOKENS / T, T, 3 * D], 1.0);
+    let hd = D / HEADS;
+    let flops = (TOKENS / T) * HEADS * 2 * T * T * hd; // two products, causal half
+    g.throughput(Throughput::Elements(flops as u64));
+    g.bench_function("packed forward", |b| {
+        b.iter(|| one_thread(|| ops::causal_attention_packed(qkv.as_tensor(), HEADS).unwrap()))
+    });
+    g.throughput(Throughput::Elements(3 * flops as u64));
+    g.bench_function("packed forward+backward", |b| {
+        b.iter(|| {
+            one_thread(|| {
+                let y = ops::causal_attention_packed(qkv.as_tensor(), HEADS).unwrap();
+                y.sum_all().unwrap().backward().unwrap()
+            })
+        })
+    });
+    g.finish();
+}
+
+fn elementwise(c: &mut Criterion) {
+    let mut g = c.benchmark_group("rows");
+    g.sample_size(20);
+    let x = var(&[TOKENS, D], 1.0);
+    let w = var(&[D], 1.0);
+    let b = var(&[D], 0.1);
+    let targets: Vec<u32> = (0..TOKENS as u32).map(|i| (i * 7) % 256).collect();
+    let targets = Tensor::new(targets.as_slice(), &Device::Cpu).unwrap();
+    g.throughput(Throughput::Elements((TOKENS * D) as u64));
+    g.bench_function("layer_norm forward+backward", |bch| {
+        bch.iter(|| {
+            one_thread(|| {
+                let y = ops::layer_norm(x.as_tensor(), w.as_tensor(), b.as_tensor(), 1e-5);
+                y.unwrap().sum_all().unwrap().backward().unwrap()
+            })
+        })
+    });
+    g.bench_function("cross_entropy forward+backward", |bch| {
+        bch.iter(|| {
+            one_thread(|| {
+                let l = ops::cross_entropy(x.as_tensor(), &targets).unwrap();
+                l.backward().unwrap()
+            })
+        })
+    });
+    let h = var(&[TOKENS, 4 * D], 1.0);
+    g.throughput(Throughput::Elements((TOKENS * 4 * D) as u64));
+    g.bench_function("gelu forward+backward", |bch| {
+        bch.iter(|| {
+            one_thread(|| {
+                ops::gelu(h.as_tensor())
+                    .unwrap()
+                    .sum_all()
+                    .unwrap()
+                    .backward()
+                    .unwrap()
+            })
+        })
+    });
+    let _ = DType::F32;
+    g.finish();
+}
+
+criterion_group!(benches, matmul, attention, elementwise);
+
+/// mimalloc reads `MIMALLOC_PURGE_DELAY` when the process starts; `-1` keeps freed memory
+/// in the process, as `switchyard bench` does, so the timings include no page faults of
+/// memory handed back to the OS. Re-runs this bench with it set.
+fn main() {
+    switchyard::keep_freed_memory();
+    benches();
+    criterion::Criterion::default()
+        .configure_from_args()
+        .final_summary();
+}

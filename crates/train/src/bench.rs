@@ -1,0 +1,462 @@
+//! The end-to-end benchmark behind `switchyard bench`: one workload trained on one worker
+//! and on each parallel layout, with warm-up and the median of several steps, as a table
+//! of tokens/s, speed-up over one worker, model-FLOPs utilisation (MFU), measured against
+//! predicted pipeline bubble, and peak memory per worker.
+//!
+//! * **Baseline.** One worker on one core (one compute thread). Every speed-up is over
+//!   that row, measured in the same run; a 2-core machine runs 2 workers with one thread
+//!   each, so each parallel layout is compared at one core per worker.
+//! * **MFU** = tokens/s × model FLOPs per token / (cores × measured per-core peak), with
+//!   model FLOPs per token = 6 × parameters + attention (`12 · layers · T · d`, PaLM's
+//!   count for the two attention products forward and backward) and the per-core peak an
+//!   AVX-512 FMA loop ([`fma_peak_gflops`]).
+//! * **Ideal pipeline speed-up** = `pp × (1 − bubble)`, the bubble from the schedule
+//!   simulator with backward = 2 × forward.
+
+use serde::{Deserialize, Serialize};
+use switchyard_models::{GptConfig, SplitSpec};
+
+use crate::data::Corpus;
+use crate::{train, TrainConfig, TrainOptions};
+
+/// A workload: the model, the batch, and how many steps to time.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Preset {
+    pub name: String,
+    pub model: GptConfig,
+    /// Sequences per step (all replicas together).
+    pub batch: usize,
+    pub seq_len: usize,
+    /// Microbatches of the pipeline rows.
+    pub microbatches: usize,
+    /// Untimed steps first.
+    pub warmup: usize,
+    /// Timed steps (the median is reported).
+    pub steps: usize,
+}
+
+impl Preset {
+    /// `reference` (the issue's workload: d 256, 8 layers, 8 heads, T 128, 32 sequences),
+    /// `small` (d 128, 4 layers, T 64, 16 sequences) or `tiny` (seconds, for smoke tests).
+    pub fn named(name: &str) -> Result<Preset, String> {
+        let model = |d: usize, layers: usize, heads: usize, t: usize| GptConfig {
+            vocab_size: 256,
+            block_size: t,
+            n_layer: layers,
+            n_head: heads,
+            d_model: d,
+            tied_embeddings: false,
+        };
+        let (m, batch, t, warmup, steps) = match name {
+            "reference" => (model(256, 8, 8, 128), 32, 128, 2, 5),
+            "small" => (model(128, 4, 4, 64), 16, 64, 2, 5),
+            "tiny" => (model(32, 2, 4, 16), 8, 16, 1, 2),
+            other => {
+                return Err(format!(
+                    "unknown preset {other}: use reference, small or tiny"
+                ))
+            }
+        };
+        Ok(Preset {
+            name: name.into(),
+            model: m,
+            batch,
+            seq_len: t,
+            microbatches: 8,
+            warmup,
+            steps,
+        })
+    }
+
+    /// Model FLOPs per token: `6 × parameters + 12 · layers · T · d`.
+    pub fn flops_per_token(&self) -> f64 {
+        let m = &self.model;
+        6.0 * m.param_count() as f64 + 12.0 * (m.n_layer * self.seq_len * m.d_model) as f64
+    }
+
+    pub fn tokens_per_step(&self) -> usize {
+        self.batch * self.seq_len
+    }
+}
+
+/// One row of the table: a layout and how it is run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Case {
+    pub name: String,
+    pub dp: usize,
+    pub pp: usize,
+    pub tp: usize,
+    pub threads_per_worker: usize,
+    pub schedule: String,
+    pub microbatches: usize,
+}
+
+impl Case {
+    pub fn workers(&self) -> usize {
+        self.dp * self.pp * self.tp
+    }
+    pub fn cores(&self) -> usize {
+        self.workers() * self.threads_per_worker
+    }
+}
+
+/// The rows of `switchyard bench`, baseline first.
+pub fn cases(p: &Preset) -> Vec<Case> {
+    let case = |name: &str, dp, pp, tp, threads, schedule: &str, microbatches| Case {
+        name: name.into(),
+        dp,
+        pp,
+        tp,
+        threads_per_worker: threads,
+        schedule: schedule.into(),
+        microbatches,
+    };
+    let m = p.microbatches;
+    vec![
+        case("1 worker", 1, 1, 1, 1, "1f1b", 1),
+        case("1 worker, 2 threads", 1, 1, 1, 2, "1f1b", 1),
+        case("pp 2 gpipe", 1, 2, 1, 1, "gpipe", m),
+        case("pp 2 1f1b", 1, 2, 1, 1, "1f1b", m),
+        case("tp 2", 1, 1, 2, 1, "1f1b", 1),
+        case("dp 2", 2, 1, 1, 1, "1f1b", 1),
+    ]
+}
+
+/// The training configuration of one case.
+pub fn config(p: &Preset, c: &Case) -> TrainConfig {
+    TrainConfig {
+        model: p.model.clone(),
+        dp: c.dp,
+        pp: c.pp,
+        tp: c.tp,
+        schedule: c.schedule.clone(),
+        microbatches: c.microbatches,
+        virtual_stages: 1,
+        split: SplitSpec::Even,
+        steps: p.warmup + p.steps,
+        batch: p.batch,
+        seq_len: p.seq_len,
+        lr: 1e-3,
+        min_lr: 1e-4,
+        warmup: 0,
+        threads_per_worker: c.threads_per_worker,
+        ..TrainConfig::default()
+    }
+}
+
+/// What one case measured.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Row {
+    pub case: Case,
+    /// Median over the timed steps.
+    pub tokens_per_s: f64,
+    pub step_s: f64,
+    /// Over the baseline row of the same run.
+    pub speedup: Option<f64>,
+    pub mfu: Option<f64>,
+    /// Pipeline rows: the measured bubble of each pipeline rank (idle fraction of the
+    /// executor's time, median over steps) and the simulator's.
+    pub bubble_measured: Vec<f64>,
+    pub bubble_predicted: Vec<f64>,
+    /// The arithmetic limit of the speed-up: cores, times `1 − predicted bubble` for
+    /// pipeline rows.
+    pub ideal_speedup: f64,
+    /// Peak resident memory of the process running the case, divided by its workers.
+    pub peak_mib_per_worker: Option<f64>,
+    pub final_loss: f64,
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+/// Trains `c` on `p` in this process and measures it (speed-up and MFU are filled in by
+/// [`Report::new`]).
+pub fn run_case(p: &Preset, c: &Case) -> anyhow::Result<Row> {
+    let cfg = config(p, c);
+    let report = train(&cfg, &Corpus::bundled(), &TrainOptions::default())?;
+    let timed: Vec<f64> = report
+        .steps
+        .iter()
+        .skip(p.warmup)
+        .map(|s| s.seconds)
+        .collect();
+    let step_s = median(timed);
+    let max_bubble = |v: &[f64]| v.iter().cloned().fold(0.0f64, f64::max);
+    let bubble_predicted: Vec<f64> = match c.pp > 1 {
+        true => report.pipeline.iter().map(|r| r.bubble_predicted).collect(),
+        false => vec![],
+    };
+    // The arithmetic limit: every core busy, less the pipeline's predicted bubble.
+    let pipeline = match c.pp > 1 {
+        true => c.pp as f64 * (1.0 - max_bubble(&bubble_predicted)),
+        false => 1.0,
+    };
+    let ideal_speedup = pipeline * (c.dp * c.tp * c.threads_per_worker) as f64;
+    Ok(Row {
+        case: c.clone(),
+        tokens_per_s: p.tokens_per_step() as f64 / step_s,
+        step_s,
+        speedup: None,
+        mfu: None,
+        bubble_measured: match c.pp > 1 {
+            true => report.pipeline.iter().map(|r| r.bubble_measured).collect(),
+            false => vec![],
+        },
+        bubble_predicted,
+        ideal_speedup,
+        peak_mib_per_worker: peak_rss_mib().map(|m| m / c.workers() as f64),
+        final_loss: report.final_loss(),
+    })
+}
+
+/// The process's peak resident memory (Linux `VmHWM`), in MiB.
+pub fn peak_rss_mib() -> Option<f64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb / 1024.0)
+}
+
+/// One core's peak f32 FLOP/s, in GFLOP/s: the best of several short runs of
+/// independent AVX-512 fused multiply-adds (AVX2 + FMA without AVX-512; 0 when neither).
+/// Contention from other processes can only lower a run, so the best is the estimate.
+pub fn fma_peak_gflops() -> f64 {
+    (0..15).map(|_| fma::run(2_000_000)).fold(0.0, f64::max)
+}
+
+mod fma {
+    /// GFLOP/s of `iters` rounds of 12 independent vector FMAs.
+    pub fn run(iters: u64) -> f64 {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let t = std::time::Instant::now();
+            let (flops, sink) = if std::is_x86_feature_detected!("avx512f") {
+                // SAFETY: the CPU has AVX-512F.
+                (iters * 12 * 32, unsafe { avx512(iters) })
+            } else if std::is_x86_feature_detected!("fma") {
+                // SAFETY: the CPU has FMA and AVX.
+                (iters * 12 * 16, unsafe { avx2(iters) })
+            } else {
+                return 0.0;
+            };
+            std::hint::black_box(sink);
+            flops as f64 / t.elapsed().as_secs_f64() / 1e9
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            let _ = iters;
+            0.0
+        }
+    }
+
+    /// `iters` rounds of 12 independent 512-bit FMAs (two per cycle on two FMA units with
+    /// a latency of 4 need 8 in flight).
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn avx512(iters: u64) -> f32 {
+        std::arch::asm!(
+            "vxorps xmm0, xmm0, xmm0",
+            "vxorps xmm1, xmm1, xmm1",
+            "vxorps xmm2, xmm2, xmm2",
+            "vxorps xmm3, xmm3, xmm3",
+            "vxorps xmm4, xmm4, xmm4",
+            "vxorps xmm5, xmm5, xmm5",
+            "vxorps xmm6, xmm6, xmm6",
+            "vxorps xmm7, xmm7, xmm7",
+            "vxorps xmm8, xmm8, xmm8",
+            "vxorps xmm9, xmm9, xmm9",
+            "vxorps xmm10, xmm10, xmm10",
+            "vxorps xmm11, xmm11, xmm11",
+            "vbroadcastss zmm12, xmm0",
+            "vbroadcastss zmm13, xmm0",
+            "2:",
+            "vfmadd231ps zmm0, zmm12, zmm13",
+            "vfmadd231ps zmm1, zmm12, zmm13",
+            "vfmadd231ps zmm2, zmm12, zmm13",
+            "vfmadd231ps zmm3, zmm12, zmm13",
+            "vfmadd231ps zmm4, zmm12, zmm13",
+            "vfmadd231ps zmm5, zmm12, zmm13",
+            "vfmadd231ps zmm6, zmm12, zmm13",
+            "vfmadd231ps zmm7, zmm12, zmm13",
+            "vfmadd231ps zmm8, zmm12, zmm13",
+            "vfmadd231ps zmm9, zmm12, zmm13",
+            "vfmadd231ps zmm10, zmm12, zmm13",
+            "vfmadd231ps zmm11, zmm12, zmm13",
+            "dec {n}",
+            "jnz 2b",
+            n = inout(reg) iters.max(1) => _,
+            out("zmm0") _, out("zmm1") _, out("zmm2") _, out("zmm3") _,
+            out("zmm4") _, out("zmm5") _, out("zmm6") _, out("zmm7") _,
+            out("zmm8") _, out("zmm9") _, out("zmm10") _, out("zmm11") _,
+            out("zmm12") _, out("zmm13") _,
+            options(nostack, nomem),
+        );
+        0.0
+    }
+
+    /// As [`avx512`] with 256-bit FMAs.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn avx2(iters: u64) -> f32 {
+        std::arch::asm!(
+            "vxorps xmm0, xmm0, xmm0",
+            "vxorps xmm1, xmm1, xmm1",
+            "vxorps xmm2, xmm2, xmm2",
+            "vxorps xmm3, xmm3, xmm3",
+            "vxorps xmm4, xmm4, xmm4",
+            "vxorps xmm5, xmm5, xmm5",
+            "vxorps xmm6, xmm6, xmm6",
+            "vxorps xmm7, xmm7, xmm7",
+            "vxorps xmm8, xmm8, xmm8",
+            "vxorps xmm9, xmm9, xmm9",
+            "vxorps xmm10, xmm10, xmm10",
+            "vxorps xmm11, xmm11, xmm11",
+            "vxorps xmm12, xmm12, xmm12",
+            "vxorps xmm13, xmm13, xmm13",
+            "2:",
+            "vfmadd231ps ymm0, ymm12, ymm13",
+            "vfmadd231ps ymm1, ymm12, ymm13",
+            "vfmadd231ps ymm2, ymm12, ymm13",
+            "vfmadd231ps ymm3, ymm12, ymm13",
+            "vfmadd231ps ymm4, ymm12, ymm13",
+            "vfmadd231ps ymm5, ymm12, ymm13",
+            "vfmadd231ps ymm6, ymm12, ymm13",
+            "vfmadd231ps ymm7, ymm12, ymm13",
+            "vfmadd231ps ymm8, ymm12, ymm13",
+            "vfmadd231ps ymm9, ymm12, ymm13",
+            "vfmadd231ps ymm10, ymm12, ymm13",
+            "vfmadd231ps ymm11, ymm12, ymm13",
+            "dec {n}",
+            "jnz 2b",
+            n = inout(reg) iters.max(1) => _,
+            out("ymm0") _, out("ymm1") _, out("ymm2") _, out("ymm3") _,
+            out("ymm4") _, out("ymm5") _, out("ymm6") _, out("ymm7") _,
+            out("ymm8") _, out("ymm9") _, out("ymm10") _, out("ymm11") _,
+            out("ymm12") _, out("ymm13") _,
+            options(nostack, nomem),
+        );
+        0.0
+    }
+}
+
+/// The whole table.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Report {
+    pub preset: Preset,
+    pub flops_per_token: f64,
+    /// Measured peak of one core, GFLOP/s.
+    pub peak_gflops_per_core: f64,
+    pub rows: Vec<Row>,
+}
+
+impl Report {
+    /// Fills in speed-ups (over the first row, the one-worker baseline) and MFU.
+    pub fn new(preset: Preset, peak_gflops_per_core: f64, mut rows: Vec<Row>) -> Report {
+        let fpt = preset.flops_per_token();
+        let base = rows.first().map(|r| r.tokens_per_s);
+        for r in &mut rows {
+            r.speedup = base.map(|b| r.tokens_per_s / b);
+            if peak_gflops_per_core > 0.0 {
+                let peak = peak_gflops_per_core * 1e9 * r.case.cores() as f64;
+                r.mfu = Some(r.tokens_per_s * fpt / peak);
+            }
+        }
+        Report {
+            preset,
+            flops_per_token: fpt,
+            peak_gflops_per_core,
+            rows,
+        }
+    }
+
+    /// A Markdown table with a short header.
+    pub fn render(&self) -> String {
+        let p = &self.preset;
+        let m = &p.model;
+        let mut s = format!(
+            "preset {}: GPT d {} × {} layers × {} heads, T {}, {} sequences ({} tokens) a step, f32, AdamW; \
+             {:.1} MFLOP/token; peak {:.0} GFLOP/s per core (measured); median of {} steps after {} warm-up\n\n",
+            p.name,
+            m.d_model,
+            m.n_layer,
+            m.n_head,
+            p.seq_len,
+            p.batch,
+            p.tokens_per_step(),
+            self.flops_per_token / 1e6,
+            self.peak_gflops_per_core,
+            p.steps,
+            p.warmup
+        );
+        s += "| layout | workers × threads | tokens/s | speed-up | ideal | MFU | bubble measured / predicted | peak MiB per worker |\n";
+        s += "|---|---|---:|---:|---:|---:|---|---:|\n";
+        for r in &self.rows {
+            let c = &r.case;
+            let bubble = match r.bubble_measured.is_empty() {
+                true => "–".to_string(),
+                false => r
+                    .bubble_measured
+                    .iter()
+                    .zip(&r.bubble_predicted)
+                    .map(|(m, p)| format!("{:.1}% / {:.1}%", 100.0 * m, 100.0 * p))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            };
+            s += &format!(
+                "| {} | {} × {} | {:.0} | {} | {:.2}× | {} | {} | {} |\n",
+                c.name,
+                c.workers(),
+                c.threads_per_worker,
+                r.tokens_per_s,
+                r.speedup.map_or("–".into(), |x| format!("{x:.2}×")),
+                r.ideal_speedup,
+                r.mfu.map_or("–".into(), |x| format!("{:.1}%", 100.0 * x)),
+                bubble,
+                r.peak_mib_per_worker
+                    .map_or("–".into(), |x| format!("{x:.0}")),
+            );
+        }
+        s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn presets_are_valid_configurations() {
+        for name in ["reference", "small", "tiny"] {
+            let p = Preset::named(name).unwrap();
+            for c in cases(&p) {
+                config(&p, &c).validate().unwrap();
+            }
+        }
+        assert!(Preset::named("huge").unwrap_err().contains("reference"));
+        // The issue's count: 6 × 6.48M parameters + 12 · 8 · 128 · 256.
+        let r = Preset::named("reference").unwrap();
+        assert_eq!(r.tokens_per_step(), 4096);
+        assert!((r.flops_per_token() / 1e6 - 42.0).abs() < 1.0);
+    }
+
+    #[test]
+    fn the_tiny_preset_runs_and_reports() {
+        let p = Preset::named("tiny").unwrap();
+        let rows = cases(&p)
+            .iter()
+            .filter(|c| c.name == "1 worker" || c.name == "pp 2 1f1b")
+            .map(|c| run_case(&p, c).unwrap())
+            .collect();
+        let report = Report::new(p, 100.0, rows);
+        assert_eq!(report.rows[0].speedup, Some(1.0));
+        assert_eq!(report.rows[1].bubble_predicted.len(), 2);
+        assert!(report.rows.iter().all(|r| r.final_loss.is_finite()));
+        let table = report.render();
+        assert!(table.contains("| pp 2 1f1b | 2 × 1 |"), "{table}");
+    }
+}
