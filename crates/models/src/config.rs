@@ -19,14 +19,14 @@ pub struct GptConfig {
 }
 
 impl Default for GptConfig {
-    /// The model `switchyard train` trains by default: 4 layers, d 128, 4 heads, bytes.
+    /// The model `switchyard train` trains by default: 4 layers, d 192, 4 heads, bytes.
     fn default() -> Self {
         GptConfig {
             vocab_size: 256,
             block_size: 64,
             n_layer: 4,
             n_head: 4,
-            d_model: 128,
+            d_model: 192,
             tied_embeddings: false,
         }
     }

@@ -55,7 +55,7 @@ impl Default for TrainConfig {
             microbatches: 4,
             virtual_stages: 1,
             split: SplitSpec::Even,
-            steps: 300,
+            steps: 1000,
             batch: 16,
             seq_len: 64,
             lr: 3e-3,
