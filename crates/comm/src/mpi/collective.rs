@@ -396,7 +396,7 @@ impl MpiComm {
         const OP: &str = "reduce_scatter";
         self.check_dim(OP, t, dim)?;
         let n = self.n;
-        if t.dims()[dim] % n != 0 {
+        if !t.dims()[dim].is_multiple_of(n) {
             return Err(self.invalid(
                 OP,
                 format!(
