@@ -58,6 +58,7 @@ use std::sync::Arc;
 
 use candle_core::Tensor;
 
+mod args;
 pub mod conformance;
 mod counting;
 mod error;

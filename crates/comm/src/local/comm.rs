@@ -11,6 +11,7 @@ use crossbeam_channel::select;
 
 use super::group::{agree, Deposit, Group, Shared};
 use super::launcher::World;
+use crate::args;
 use crate::reduce::{chunk, copy_into, reduce_into, with_dtype, with_slices, OutBuf, RawOut};
 use crate::{CommError, Communicator, Peer, ReduceOp, Result, Tag};
 
@@ -47,30 +48,11 @@ impl LocalComm {
     }
 
     fn check_peer(&self, op: &'static str, peer: usize) -> Result<()> {
-        if peer >= self.n() {
-            return Err(self.invalid(
-                op,
-                format!(
-                    "peer {peer} is out of range for group {} of size {}",
-                    self.group.describe(),
-                    self.n()
-                ),
-            ));
-        }
-        Ok(())
+        args::peer_in_range(peer, self.n(), &self.group.describe()).map_err(|r| self.invalid(op, r))
     }
 
     fn check_dim(&self, op: &'static str, t: &Tensor, dim: usize) -> Result<()> {
-        if dim >= t.rank() {
-            return Err(self.invalid(
-                op,
-                format!(
-                    "dim {dim} does not exist in a tensor of shape {:?}",
-                    t.dims()
-                ),
-            ));
-        }
-        Ok(())
+        args::dim_exists(t, dim).map_err(|r| self.invalid(op, r))
     }
 
     fn contiguous(&self, op: &'static str, t: &Tensor) -> Result<Tensor> {
@@ -244,17 +226,8 @@ impl Communicator for LocalComm {
 
     fn reduce_scatter(&self, t: &Tensor, dim: usize, op: ReduceOp) -> Result<Tensor> {
         const OP: &str = "reduce_scatter";
-        self.check_dim(OP, t, dim)?;
         let n = self.n();
-        if !t.dims()[dim].is_multiple_of(n) {
-            return Err(self.invalid(
-                OP,
-                format!(
-                    "dim {dim} of shape {:?} does not split into {n} equal parts",
-                    t.dims()
-                ),
-            ));
-        }
+        args::splits_evenly(t, dim, n).map_err(|r| self.invalid(OP, r))?;
         let x = self.contiguous(OP, t)?;
         if n == 1 {
             self.world
@@ -319,12 +292,7 @@ impl Communicator for LocalComm {
     fn all_to_all(&self, parts: Vec<Tensor>) -> Result<Vec<Tensor>> {
         const OP: &str = "all_to_all";
         let n = self.n();
-        if parts.len() != n {
-            return Err(self.invalid(
-                OP,
-                format!("{} parts given for a group of size {n}", parts.len()),
-            ));
-        }
+        args::one_part_per_rank(parts.len(), n).map_err(|r| self.invalid(OP, r))?;
         let parts = parts
             .iter()
             .map(|p| self.contiguous(OP, p))

@@ -13,6 +13,7 @@ use mpi::ffi;
 use super::comm::{count, MpiComm};
 use super::runtime::Poll;
 use super::wire::{self, Desc, Op, DESC_WORDS};
+use crate::args;
 use crate::reduce::{chunk, reduce_into, with_dtype, with_slices};
 use crate::{CommError, ReduceOp, Result};
 
@@ -394,17 +395,8 @@ impl MpiComm {
         op: ReduceOp,
     ) -> Result<Tensor> {
         const OP: &str = "reduce_scatter";
-        self.check_dim(OP, t, dim)?;
         let n = self.n;
-        if !t.dims()[dim].is_multiple_of(n) {
-            return Err(self.invalid(
-                OP,
-                format!(
-                    "dim {dim} of shape {:?} does not split into {n} equal parts",
-                    t.dims()
-                ),
-            ));
-        }
+        args::splits_evenly(t, dim, n).map_err(|r| self.invalid(OP, r))?;
         let x = self.contiguous(OP, t)?;
         if self.alone(OP)? {
             return Ok(x);

@@ -13,6 +13,7 @@ use mpi::ffi;
 use super::runtime::{Handle, Poll, Runtime};
 use super::wire;
 use super::MpiConfig;
+use crate::args;
 use crate::{CommError, Communicator, Peer, ReduceOp, Result, Tag};
 
 /// A send in flight: MPI reads `buf` until `req` completes.
@@ -131,29 +132,11 @@ impl MpiComm {
     }
 
     pub fn check_peer(&self, op: &'static str, peer: usize) -> Result<()> {
-        if peer >= self.n {
-            return Err(self.invalid(
-                op,
-                format!(
-                    "peer {peer} is out of range for group {} of size {}",
-                    self.label, self.n
-                ),
-            ));
-        }
-        Ok(())
+        args::peer_in_range(peer, self.n, &self.label).map_err(|r| self.invalid(op, r))
     }
 
     pub fn check_dim(&self, op: &'static str, t: &Tensor, dim: usize) -> Result<()> {
-        if dim >= t.rank() {
-            return Err(self.invalid(
-                op,
-                format!(
-                    "dim {dim} does not exist in a tensor of shape {:?}",
-                    t.dims()
-                ),
-            ));
-        }
-        Ok(())
+        args::dim_exists(t, dim).map_err(|r| self.invalid(op, r))
     }
 
     /// `t` as a contiguous CPU tensor detached from autograd.

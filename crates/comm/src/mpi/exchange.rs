@@ -13,18 +13,14 @@ use super::collective::{counts, null_request};
 use super::comm::MpiComm;
 use super::runtime::{Handle, Poll};
 use super::wire::{self, Desc, Op, PART_WORDS};
+use crate::args;
 use crate::{Communicator, Result};
 
 impl MpiComm {
     pub(super) fn all_to_all_impl(&self, parts: Vec<Tensor>) -> Result<Vec<Tensor>> {
         const OP: &str = "all_to_all";
         let n = self.n;
-        if parts.len() != n {
-            return Err(self.invalid(
-                OP,
-                format!("{} parts given for a group of size {n}", parts.len()),
-            ));
-        }
+        args::one_part_per_rank(parts.len(), n).map_err(|r| self.invalid(OP, r))?;
         let parts = parts
             .iter()
             .map(|p| self.contiguous(OP, p))
