@@ -14,9 +14,7 @@ use switchyard_comm::Communicator;
 use switchyard_ops::causal_attention_packed;
 
 use crate::error::ShardError;
-use crate::linear::{
-    check_group, ColumnConfig, ColumnParallelLinear, RowConfig, RowParallelLinear,
-};
+use crate::linear::{check_group, column_row_pair, ColumnParallelLinear, RowParallelLinear};
 use crate::param::{Builder, Init};
 
 /// Initialisation of a transformer sub-layer's parameters.
@@ -88,30 +86,13 @@ impl ParallelSelfAttention {
             }
             .into());
         }
-        let c_attn = ColumnParallelLinear::new(
-            &vb.pp("c_attn"),
-            comm.clone(),
-            d_model,
-            3 * d_model,
-            ColumnConfig {
-                bias: true,
-                gather_output: false,
-                blocks: 3,
-                weight_init: init.weight,
-                bias_init: init.bias,
-            },
-        )?;
-        let c_proj = RowParallelLinear::new(
-            &vb.pp("c_proj"),
+        let (c_attn, c_proj) = column_row_pair(
+            &vb,
             comm,
+            "c_attn",
             d_model,
-            d_model,
-            RowConfig {
-                bias: true,
-                input_is_parallel: true,
-                weight_init: init.proj_weight,
-                bias_init: init.bias,
-            },
+            (3 * d_model, 3, d_model),
+            init,
         )?;
         Ok(ParallelSelfAttention {
             c_attn,

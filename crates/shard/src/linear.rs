@@ -374,3 +374,43 @@ impl Module for RowParallelLinear {
         RowParallelLinear::forward(self, xs)
     }
 }
+
+/// Megatron's pairing inside a transformer sub-layer: a column-parallel `first`
+/// (`d → col_out`, with bias, `blocks` fused sub-blocks, output left split) feeding a
+/// row-parallel `c_proj` (`row_in → d`, input already split, bias added after the sum).
+/// `vb` is the sub-layer's builder (`….attn` or `….mlp`).
+pub(crate) fn column_row_pair(
+    vb: &Builder,
+    comm: Arc<dyn Communicator>,
+    first: &str,
+    d: usize,
+    (col_out, blocks, row_in): (usize, usize, usize),
+    init: crate::LayerInit,
+) -> Result<(ColumnParallelLinear, RowParallelLinear)> {
+    let column = ColumnParallelLinear::new(
+        &vb.pp(first),
+        comm.clone(),
+        d,
+        col_out,
+        ColumnConfig {
+            bias: true,
+            gather_output: false,
+            blocks,
+            weight_init: init.weight,
+            bias_init: init.bias,
+        },
+    )?;
+    let row = RowParallelLinear::new(
+        &vb.pp("c_proj"),
+        comm,
+        row_in,
+        d,
+        RowConfig {
+            bias: true,
+            input_is_parallel: true,
+            weight_init: init.proj_weight,
+            bias_init: init.bias,
+        },
+    )?;
+    Ok((column, row))
+}

@@ -12,9 +12,7 @@ use switchyard_comm::Communicator;
 
 use crate::attention::LayerInit;
 use crate::error::ShardError;
-use crate::linear::{
-    check_group, ColumnConfig, ColumnParallelLinear, RowConfig, RowParallelLinear,
-};
+use crate::linear::{check_group, column_row_pair, ColumnParallelLinear, RowParallelLinear};
 use crate::param::Builder;
 
 /// `c_fc` (column, `d → hidden`, bias), GELU (tanh approximation), `c_proj` (row,
@@ -52,31 +50,8 @@ impl ParallelMlp {
             }
             .into());
         }
-        let c_fc = ColumnParallelLinear::new(
-            &vb.pp("c_fc"),
-            comm.clone(),
-            d_model,
-            hidden,
-            ColumnConfig {
-                bias: true,
-                gather_output: false,
-                blocks: 1,
-                weight_init: init.weight,
-                bias_init: init.bias,
-            },
-        )?;
-        let c_proj = RowParallelLinear::new(
-            &vb.pp("c_proj"),
-            comm,
-            hidden,
-            d_model,
-            RowConfig {
-                bias: true,
-                input_is_parallel: true,
-                weight_init: init.proj_weight,
-                bias_init: init.bias,
-            },
-        )?;
+        let (c_fc, c_proj) =
+            column_row_pair(&vb, comm, "c_fc", d_model, (hidden, 1, hidden), init)?;
         Ok(ParallelMlp { c_fc, c_proj })
     }
 
