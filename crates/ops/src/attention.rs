@@ -109,9 +109,14 @@ impl Geo {
         self.h * self.hd
     }
     /// Offsets of q, k, v of pair `(bi, hi)` in the packed input (row stride `3·dl`).
-    fn qkv(&self, bi: usize, hi: usize) -> [usize; 3] {
+    fn offsets(&self, bi: usize, hi: usize) -> [usize; 3] {
         let base = bi * self.t * 3 * self.dl() + hi * self.hd;
         [base, base + self.dl(), base + 2 * self.dl()]
+    }
+    /// q, k and v of pair `(bi, hi)` in the packed input `x`.
+    fn qkv<'a, T>(&self, x: &'a [T], bi: usize, hi: usize) -> [Mat<'a, T>; 3] {
+        self.offsets(bi, hi)
+            .map(|o| Mat::rows(&x[o..], 3 * self.dl()))
     }
     /// Offset of pair `(bi, hi)` in the output (row stride `dl`).
     fn out(&self, bi: usize, hi: usize) -> usize {
@@ -255,24 +260,7 @@ fn forward_pair<T: Float>(
     let (t, hd, dl) = (g.t, g.hd, g.dl());
     let ld = 3 * dl;
     let (bi, hi) = (pair / g.h, pair % g.h);
-    let [q, k, v] = g.qkv(bi, hi);
-    let (qm, km, vm) = (
-        Mat {
-            data: &qkv[q..],
-            rs: ld,
-            cs: 1,
-        },
-        Mat {
-            data: &qkv[k..],
-            rs: ld,
-            cs: 1,
-        },
-        Mat {
-            data: &qkv[v..],
-            rs: ld,
-            cs: 1,
-        },
-    );
+    let [qm, km, vm] = g.qkv(qkv, bi, hi);
     // Row blocks: rows r0..r1 only see keys 0..r1.
     for (r0, r1) in blocks(t) {
         let qb = Mat {
@@ -317,26 +305,10 @@ fn backward_pair<T: Float>(
     let (t, hd, dl) = (g.t, g.hd, g.dl());
     let ld = 3 * dl;
     let (bi, hi) = (pair / g.h, pair % g.h);
-    let [q, k, v] = g.qkv(bi, hi);
     let (s, rest) = scratch.split_at_mut(t * t);
     let (dp, dsum) = rest.split_at_mut(t * t);
-    let (qm, km, vm) = (
-        Mat {
-            data: &x[q..],
-            rs: ld,
-            cs: 1,
-        },
-        Mat {
-            data: &x[k..],
-            rs: ld,
-            cs: 1,
-        },
-        Mat {
-            data: &x[v..],
-            rs: ld,
-            cs: 1,
-        },
-    );
+    let [q, k, v] = g.offsets(bi, hi);
+    let [qm, km, vm] = g.qkv(x, bi, hi);
     let oo = g.out(bi, hi);
     let dom = Mat {
         data: &d_o[oo..],
