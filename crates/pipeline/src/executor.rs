@@ -1,5 +1,6 @@
 //! The executor: performs one rank's actions of a lowered program.
 
+use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
@@ -63,9 +64,33 @@ pub struct StepOutput {
     pub stats: StepStats,
 }
 
+/// A program ready to run: lowered (when it spans several ranks) and validated.
+#[derive(Debug, Clone)]
+pub struct CheckedProgram(Program);
+
+impl CheckedProgram {
+    /// Lowers `program` if it spans several ranks and has no communication ops, then
+    /// validates it; an invalid program is refused with the validator's message.
+    pub fn new(program: &Program) -> Result<CheckedProgram> {
+        let invalid = |e: switchyard_schedule::ScheduleError| {
+            candle_core::Error::Msg(format!("invalid pipeline program: {e}"))
+        };
+        let program = match program.num_ranks() > 1 && !program.is_lowered() {
+            true => lower(program).map_err(invalid)?,
+            false => program.clone(),
+        };
+        validate(&program).map_err(invalid)?;
+        Ok(CheckedProgram(program))
+    }
+
+    pub fn program(&self) -> &Program {
+        &self.0
+    }
+}
+
 /// Runs one rank's actions of a program.
 pub struct Executor<'a> {
-    program: Program,
+    program: Cow<'a, CheckedProgram>,
     rank: u32,
     comm: &'a dyn Communicator,
     stages: BTreeMap<u32, &'a dyn Stage>,
@@ -91,14 +116,25 @@ impl<'a> Executor<'a> {
         comm: &'a dyn Communicator,
         stages: Vec<(u32, &'a dyn Stage)>,
     ) -> Result<Self> {
-        let program = if program.num_ranks() > 1 && !program.is_lowered() {
-            lower(program)
-                .map_err(|e| candle_core::Error::Msg(format!("invalid pipeline program: {e}")))?
-        } else {
-            program.clone()
-        };
-        validate(&program)
-            .map_err(|e| candle_core::Error::Msg(format!("invalid pipeline program: {e}")))?;
+        Self::build(Cow::Owned(CheckedProgram::new(program)?), comm, stages)
+    }
+
+    /// As [`Executor::new`], for a program checked once beforehand: a training loop
+    /// builds an executor every step and need not lower and validate every time.
+    pub fn with_checked(
+        program: &'a CheckedProgram,
+        comm: &'a dyn Communicator,
+        stages: Vec<(u32, &'a dyn Stage)>,
+    ) -> Result<Self> {
+        Self::build(Cow::Borrowed(program), comm, stages)
+    }
+
+    fn build(
+        checked: Cow<'a, CheckedProgram>,
+        comm: &'a dyn Communicator,
+        stages: Vec<(u32, &'a dyn Stage)>,
+    ) -> Result<Self> {
+        let program = checked.program();
         if comm.world_size() != program.num_ranks() {
             bail!(
                 "the program has {} ranks but the pipeline group has {}",
@@ -114,7 +150,7 @@ impl<'a> Executor<'a> {
             bail!("rank {rank} runs stages {want:?} of the program but was given stages {have:?}");
         }
         Ok(Executor {
-            program,
+            program: checked,
             rank,
             comm,
             stages,
@@ -130,15 +166,15 @@ impl<'a> Executor<'a> {
 
     /// The (lowered, validated) program this executor runs.
     pub fn program(&self) -> &Program {
-        &self.program
+        self.program.program()
     }
 
     fn last_stage(&self) -> u32 {
-        self.program.num_stages - 1
+        self.program().num_stages - 1
     }
 
     fn peer(&self, a: &Action) -> Result<usize> {
-        match self.program.peer_rank(a) {
+        match self.program().peer_rank(a) {
             Some(r) => Ok(r as usize),
             None => bail!("rank {}: {a} has no peer stage", self.rank),
         }
@@ -166,7 +202,7 @@ impl<'a> Executor<'a> {
         let mut losses = Vec::new();
         let last = self.last_stage();
 
-        for a in &self.program.ranks[r as usize] {
+        for a in &self.program().ranks[r as usize] {
             let t0 = Instant::now();
             let (s, m) = (a.stage, a.microbatch);
             let key = (s, m);
@@ -327,7 +363,7 @@ impl<'a> Executor<'a> {
         t: Tensor,
         is_grad: bool,
     ) {
-        if self.program.rank_of_stage(to) == self.rank {
+        if self.program().rank_of_stage(to) == self.rank {
             local.insert((to, m), t);
         } else {
             let from = if is_grad { to + 1 } else { to - 1 };

@@ -66,5 +66,5 @@
 mod executor;
 mod stage;
 
-pub use executor::{Executor, Microbatches, StepOutput, StepStats, TraceEvent};
+pub use executor::{CheckedProgram, Executor, Microbatches, StepOutput, StepStats, TraceEvent};
 pub use stage::{ModuleStage, Stage};

@@ -20,7 +20,7 @@ use std::time::Instant;
 use candle_core::{DType, Device, Module, Result, Tensor, TensorId, Var};
 use switchyard_comm::{Communicator, Mesh, ReduceOp};
 use switchyard_models::{gpt_layer_costs, plan_stages, GptStage};
-use switchyard_pipeline::{Executor, Microbatches, Stage, StepStats};
+use switchyard_pipeline::{CheckedProgram, Executor, Microbatches, Stage, StepStats};
 use switchyard_schedule::Program;
 use switchyard_shard::{gather_full_tensor, Param, ParamSource, ParamStore, ShardSpec};
 
@@ -73,7 +73,7 @@ pub struct NonFinite {
 pub struct Worker {
     pub cfg: TrainConfig,
     pub mesh: Mesh,
-    program: Program,
+    program: CheckedProgram,
     store: ParamStore,
     stages: Vec<(u32, GptStage)>,
     params: Vec<Param>,
@@ -100,7 +100,8 @@ impl Worker {
     ) -> anyhow::Result<Worker> {
         cfg.validate().map_err(anyhow::Error::msg)?;
         let mesh = Mesh::new(world.clone(), cfg.mesh())?;
-        let program = cfg.program().map_err(anyhow::Error::msg)?;
+        let program = CheckedProgram::new(&cfg.program().map_err(anyhow::Error::msg)?)?;
+        let pipe = program.program();
         let plans = plan_stages(
             cfg.model.n_layer,
             cfg.num_stages(),
@@ -110,7 +111,7 @@ impl Worker {
         .map_err(anyhow::Error::msg)?;
         let store = ParamStore::for_group(&*mesh.tp, DType::F32, source)?;
         let mut stages = Vec::new();
-        for s in program.stages_of_rank(mesh.coord.pp as u32) {
+        for s in pipe.stages_of_rank(mesh.coord.pp as u32) {
             let gpt = GptStage::new(&cfg.model, &plans[s as usize], &store, mesh.tp.clone())?;
             stages.push((s, gpt));
         }
@@ -120,8 +121,8 @@ impl Worker {
             .enumerate()
             .map(|(i, p)| (p.var.id(), i))
             .collect();
-        let last = program.num_stages - 1;
-        let head_elsewhere = program.rank_of_stage(0) != program.rank_of_stage(last);
+        let last = pipe.num_stages - 1;
+        let head_elsewhere = pipe.rank_of_stage(0) != pipe.rank_of_stage(last);
         let wte = "transformer.wte.weight";
         let has_embed = stages.iter().any(|(s, _)| *s == 0);
         let owned = params
@@ -132,7 +133,7 @@ impl Worker {
             })
             .collect();
         let tied = if cfg.model.tied_embeddings && head_elsewhere {
-            let ends = [program.rank_of_stage(0), program.rank_of_stage(last)];
+            let ends = [pipe.rank_of_stage(0), pipe.rank_of_stage(last)];
             let me = mesh.coord.pp as u32;
             let (color, key) = match ends.contains(&me) {
                 true => (1 + mesh.coord.dp * cfg.tp + mesh.coord.tp, mesh.coord.pp),
@@ -180,7 +181,7 @@ impl Worker {
     }
 
     pub fn program(&self) -> &Program {
-        &self.program
+        self.program.program()
     }
 
     pub fn params(&self) -> &[Param] {
@@ -208,7 +209,7 @@ impl Worker {
         let targets = (0..m)
             .map(|i| y.narrow(0, i * mbs, mbs))
             .collect::<Result<Vec<_>>>()?;
-        let last = self.program.num_stages - 1;
+        let last = self.program().num_stages - 1;
         let head = self.stages.iter().find(|(s, _)| *s == last).map(|(_, g)| g);
         let loss = |out: &Tensor, mb: usize| match head {
             Some(h) => h.loss(out, &targets[mb]),
@@ -238,7 +239,8 @@ impl Worker {
             .zip(&wrapped)
             .map(|((s, _), w)| (*s, w as &dyn Stage))
             .collect();
-        let exec = Executor::new(&self.program, &*self.mesh.pp, refs)?.with_epoch(self.epoch);
+        let exec =
+            Executor::with_checked(&self.program, &*self.mesh.pp, refs)?.with_epoch(self.epoch);
         let out = exec.run(&Microbatches {
             inputs,
             loss: &loss,
