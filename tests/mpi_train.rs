@@ -150,53 +150,52 @@ fn mpi_matches_the_in_process_backend() {
     assert_close(&losses(&m), &losses(&l), "mpi vs local");
 }
 
+/// Builds a `switchyard train` command from extra flags.
+type Launch<'a> = dyn Fn(&[&str]) -> Command + 'a;
+
+/// Runs `cmd` under the watchdog and asserts that it succeeded.
+fn ok(cmd: Command) {
+    let (ok, out) = run(cmd, LIMIT);
+    assert!(ok, "{out}");
+}
+
 #[test]
 fn checkpoints_move_between_backends() {
     let d = scratch("ckpt");
     let full = d.join("full.jsonl");
-    let (ok, out) = run(
-        local(&[
-            "--pp",
-            "2",
-            "--tp",
-            "2",
+    ok(local(&[
+        "--pp",
+        "2",
+        "--tp",
+        "2",
+        "--steps",
+        "6",
+        "--metrics",
+        full.to_str().unwrap(),
+    ]));
+    let full = losses(&full);
+    let mpi = |a: &[&str]| mpirun(4, &[&["--pp", "2", "--tp", "2"], a].concat());
+    let threads = |a: &[&str]| local(a);
+    // The in-process side resumes on another layout (dp 2 × pp 2 × tp 2).
+    let threads_dp2 = |a: &[&str]| local(&[&["--dp", "2"], a].concat());
+    let cases: [(&str, &Launch, &Launch); 2] = [
+        ("mpi-to-threads", &mpi, &threads_dp2),
+        ("threads-to-mpi", &threads, &mpi),
+    ];
+    for (what, save, resume) in cases {
+        let ck = d.join(what);
+        let ck = ck.to_str().unwrap();
+        ok(save(&[
             "--steps",
             "6",
-            "--metrics",
-            full.to_str().unwrap(),
-        ]),
-        LIMIT,
-    );
-    assert!(ok, "{out}");
-    let full = losses(&full);
-
-    // MPI saves at step 3; the in-process backend resumes on another layout.
-    let ck = d.join("from-mpi");
-    let ck = ck.to_str().unwrap();
-    let (ok, out) = run(
-        mpirun(
-            4,
-            &[
-                "--pp",
-                "2",
-                "--tp",
-                "2",
-                "--steps",
-                "6",
-                "--save-every",
-                "3",
-                "--checkpoint-dir",
-                ck,
-            ],
-        ),
-        LIMIT,
-    );
-    assert!(ok, "{out}");
-    let resumed = d.join("resumed-local.jsonl");
-    let (ok, out) = run(
-        local(&[
-            "--dp",
-            "2",
+            "--save-every",
+            "3",
+            "--checkpoint-dir",
+            ck,
+        ]));
+        let resumed = d.join(format!("{what}.jsonl"));
+        let metrics = resumed.to_str().unwrap();
+        ok(resume(&[
             "--steps",
             "6",
             "--checkpoint-dir",
@@ -204,52 +203,10 @@ fn checkpoints_move_between_backends() {
             "--resume-from",
             "3",
             "--metrics",
-            resumed.to_str().unwrap(),
-        ]),
-        LIMIT,
-    );
-    assert!(ok, "{out}");
-    assert_close(
-        &losses(&resumed),
-        &full[3..],
-        "mpi checkpoint resumed in-process",
-    );
-
-    // The in-process backend saves; MPI resumes.
-    let ck = d.join("from-local");
-    let ck = ck.to_str().unwrap();
-    let (ok, out) = run(
-        local(&["--steps", "6", "--save-every", "3", "--checkpoint-dir", ck]),
-        LIMIT,
-    );
-    assert!(ok, "{out}");
-    let resumed = d.join("resumed-mpi.jsonl");
-    let (ok, out) = run(
-        mpirun(
-            4,
-            &[
-                "--pp",
-                "2",
-                "--tp",
-                "2",
-                "--steps",
-                "6",
-                "--checkpoint-dir",
-                ck,
-                "--resume-from",
-                "3",
-                "--metrics",
-                resumed.to_str().unwrap(),
-            ],
-        ),
-        LIMIT,
-    );
-    assert!(ok, "{out}");
-    assert_close(
-        &losses(&resumed),
-        &full[3..],
-        "in-process checkpoint resumed under mpi",
-    );
+            metrics,
+        ]));
+        assert_close(&losses(&resumed), &full[3..], what);
+    }
 }
 
 #[test]
