@@ -32,7 +32,7 @@ use crate::TrainConfig;
 /// A [`GptStage`] as a pipeline [`Stage`].
 struct PipelineStage<'a> {
     gpt: &'a GptStage,
-    params: Vec<Var>,
+    params: &'a [Var],
 }
 
 impl Stage for PipelineStage<'_> {
@@ -40,7 +40,7 @@ impl Stage for PipelineStage<'_> {
         self.gpt.forward(x)
     }
     fn params(&self) -> &[Var] {
-        &self.params
+        self.params
     }
 }
 
@@ -76,6 +76,9 @@ pub struct Worker {
     program: CheckedProgram,
     store: ParamStore,
     stages: Vec<(u32, GptStage)>,
+    /// Per stage, the parameters the executor collects gradients for: the stage's own,
+    /// and a table on this rank that its tied head uses without owning.
+    stage_params: Vec<Vec<Var>>,
     params: Vec<Param>,
     index: HashMap<TensorId, usize>,
     /// Whether a parameter's gradient counts toward the global norm on this rank (each
@@ -115,6 +118,20 @@ impl Worker {
             let gpt = GptStage::new(&cfg.model, &plans[s as usize], &store, mesh.tp.clone())?;
             stages.push((s, gpt));
         }
+        let stage_params = stages
+            .iter()
+            .map(|(_, g)| {
+                let mut own = g.params().to_vec();
+                if g.plan().head && cfg.model.tied_embeddings && !g.plan().embed {
+                    if let Some(p) = store.get("transformer.wte.weight") {
+                        if !own.iter().any(|v| v.id() == p.var.id()) {
+                            own.push(p.var);
+                        }
+                    }
+                }
+                own
+            })
+            .collect();
         let params = store.params();
         let index = params
             .iter()
@@ -164,6 +181,7 @@ impl Worker {
             program,
             store,
             stages,
+            stage_params,
             params,
             index,
             owned,
@@ -220,18 +238,8 @@ impl Worker {
         let wrapped: Vec<PipelineStage> = self
             .stages
             .iter()
-            .map(|(_, g)| {
-                let mut params = g.params().to_vec();
-                // A head tied to a table on this rank uses the table without owning it.
-                if g.plan().head && c.model.tied_embeddings && !g.plan().embed {
-                    if let Some(p) = self.store.get("transformer.wte.weight") {
-                        if !params.iter().any(|v| v.id() == p.var.id()) {
-                            params.push(p.var);
-                        }
-                    }
-                }
-                PipelineStage { gpt: g, params }
-            })
+            .zip(&self.stage_params)
+            .map(|((_, gpt), params)| PipelineStage { gpt, params })
             .collect();
         let refs: Vec<(u32, &dyn Stage)> = self
             .stages
@@ -248,7 +256,7 @@ impl Worker {
         })?;
         let mut grads: Vec<Option<Tensor>> = vec![None; self.params.len()];
         for ((_, gs), w) in out.grads.into_iter().zip(&wrapped) {
-            for (g, v) in gs.into_iter().zip(&w.params) {
+            for (g, v) in gs.into_iter().zip(w.params) {
                 let (Some(g), Some(&i)) = (g, self.index.get(&v.id())) else {
                     continue;
                 };

@@ -92,6 +92,8 @@ fn tied_embeddings_across_stages_match() {
         (1, 2, 2, "interleaved"),
         (2, 4, 1, "gpipe"),
         (1, 1, 2, "1f1b"),
+        // Two stages on one rank: the head shares the table its own rank holds.
+        (1, 1, 1, "interleaved"),
     ] {
         let mut cfg = tiny(dp, pp, tp, s);
         cfg.model.tied_embeddings = true;
