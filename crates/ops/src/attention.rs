@@ -124,17 +124,28 @@ impl Geo {
     }
 }
 
+/// The columns of row `i` that its block's products computed: the keys up to the end of
+/// the row's block. The softmax loops run over all of them, whole vectors when `BLOCK`
+/// and `T` are multiples of the vector width: the columns after the diagonal are first
+/// set to −∞ (so `exp` and `max` ignore them) and zeroed afterwards, a few scalar stores
+/// instead of a scalar tail.
+fn width(i: usize, t: usize) -> usize {
+    ((i / BLOCK + 1) * BLOCK).min(t)
+}
+
 simd! {
     /// Row `i` of the `t × t` scores `s`: `p_j = exp(scale·(s_j − max)) / Σ` for `j ≤ i`,
     /// 0 after; records `lse_i = scale·max + ln Σ`.
     fn softmax_causal<T>(s: &mut [T], t: usize, ld: usize, scale: f64, lse: &mut [T]) {
         let scale = T::from_f64(scale);
         for (i, row) in s.chunks_exact_mut(ld).take(t).enumerate() {
-            let (live, dead) = row[..t].split_at_mut(i + 1);
+            let (live, dead) = row[..t].split_at_mut(width(i, t));
+            live[i + 1..].fill(T::NEG_INF);
             let m = max(live) * scale;
             for v in live.iter_mut() {
                 *v = (*v * scale - m).exp();
             }
+            live[i + 1..].fill(T::zero());
             let z = sum(live);
             let inv = T::one() / z;
             for v in live.iter_mut() {
@@ -153,8 +164,9 @@ simd! {
         let scale = T::from_f64(scale);
         let rows = s.chunks_exact_mut(ld).zip(dp.chunks_exact_mut(ld)).take(t);
         for (i, (row, drow)) in rows.enumerate() {
-            let (l, di) = (lse[i], dsum[i]);
-            for (p, d) in row[..=i].iter_mut().zip(drow[..=i].iter_mut()) {
+            let (l, di, w) = (lse[i], dsum[i], width(i, t));
+            row[i + 1..w].fill(T::NEG_INF);
+            for (p, d) in row[..w].iter_mut().zip(drow[..w].iter_mut()) {
                 *p = (*p * scale - l).exp();
                 *d = *p * (*d - di) * scale;
             }
@@ -211,19 +223,30 @@ impl Attention {
 }
 
 /// Rows (or columns) per block of the causal products: block `i` of queries sees key
-/// blocks `0..=i` only, so about 5/8 of the full `T × T` work is done at T = 4 blocks.
-const BLOCK: usize = 32;
+/// blocks `0..=i` only, so about 9/16 of the full `T × T` work is done at T = 8 blocks.
+const BLOCK: usize = 16;
 
 /// `(start, end)` of each block of `t` rows.
 fn blocks(t: usize) -> impl Iterator<Item = (usize, usize)> {
     (0..t.div_ceil(BLOCK)).map(move |i| (i * BLOCK, ((i + 1) * BLOCK).min(t)))
 }
 
-/// Scratch of one task: scores and score gradients (`T × T` each) and row sums.
+/// Scratch of one task: scores (and score gradients, `T × T` each), row sums, and `kᵀ`
+/// (and `vᵀ`, `hd × T` each).
 fn scratch_len(g: Geo, backward: bool) -> usize {
     match backward {
-        false => g.t * g.t,
-        true => 2 * g.t * g.t + g.t,
+        false => g.t * g.t + g.hd * g.t,
+        true => 2 * g.t * g.t + g.t + 2 * g.hd * g.t,
+    }
+}
+
+/// `dst = xᵀ` for the `t × hd` matrix `x`, `dst` row-major `hd × t`: the products
+/// `q·kᵀ` and `dO·vᵀ` then read their right operand row by row.
+fn transpose<T: Float>(x: Mat<T>, t: usize, hd: usize, dst: &mut [T]) {
+    for (j, row) in x.data.chunks(x.rs).take(t).enumerate() {
+        for (d, &v) in row[..hd].iter().enumerate() {
+            dst[d * t + j] = v;
+        }
     }
 }
 
@@ -253,7 +276,7 @@ fn forward_pair<T: Float>(
     qkv: &[T],
     g: Geo,
     pair: usize,
-    s: &mut [T],
+    scratch: &mut [T],
     lse: &mut [T],
     out: SharedMut<T>,
 ) {
@@ -261,23 +284,16 @@ fn forward_pair<T: Float>(
     let ld = 3 * dl;
     let (bi, hi) = (pair / g.h, pair % g.h);
     let [qm, km, vm] = g.qkv(qkv, bi, hi);
+    let (s, kt) = scratch.split_at_mut(t * t);
+    transpose(km, t, hd, kt);
+    let kt = Mat::rows(&*kt, t);
     // Row blocks: rows r0..r1 only see keys 0..r1.
     for (r0, r1) in blocks(t) {
         let qb = Mat {
             data: &qm.data[r0 * ld..],
             ..qm
         };
-        kernel::matmul(
-            r1 - r0,
-            r1,
-            hd,
-            &mut s[r0 * t..],
-            t,
-            false,
-            qb,
-            km.t(),
-            false,
-        );
+        kernel::matmul(r1 - r0, r1, hd, &mut s[r0 * t..], t, false, qb, kt, false);
     }
     softmax_causal(s, t, t, g.scale, lse);
     for (r0, r1) in blocks(t) {
@@ -306,9 +322,14 @@ fn backward_pair<T: Float>(
     let ld = 3 * dl;
     let (bi, hi) = (pair / g.h, pair % g.h);
     let (s, rest) = scratch.split_at_mut(t * t);
-    let (dp, dsum) = rest.split_at_mut(t * t);
+    let (dp, rest) = rest.split_at_mut(t * t);
+    let (dsum, rest) = rest.split_at_mut(t);
+    let (kt, vt) = rest.split_at_mut(hd * t);
     let [q, k, v] = g.offsets(bi, hi);
     let [qm, km, vm] = g.qkv(x, bi, hi);
+    transpose(km, t, hd, kt);
+    transpose(vm, t, hd, vt);
+    let (kt, vt) = (Mat::rows(&*kt, t), Mat::rows(&*vt, t));
     let oo = g.out(bi, hi);
     let dom = Mat {
         data: &d_o[oo..],
@@ -328,28 +349,8 @@ fn backward_pair<T: Float>(
             data: &dom.data[r0 * dl..],
             ..dom
         };
-        kernel::matmul(
-            r1 - r0,
-            r1,
-            hd,
-            &mut s[r0 * t..],
-            t,
-            false,
-            qb,
-            km.t(),
-            false,
-        );
-        kernel::matmul(
-            r1 - r0,
-            r1,
-            hd,
-            &mut dp[r0 * t..],
-            t,
-            false,
-            db,
-            vm.t(),
-            false,
-        );
+        kernel::matmul(r1 - r0, r1, hd, &mut s[r0 * t..], t, false, qb, kt, false);
+        kernel::matmul(r1 - r0, r1, hd, &mut dp[r0 * t..], t, false, db, vt, false);
     }
     softmax_causal_bwd(s, dp, t, t, g.scale, &lse[pair * t..(pair + 1) * t], dsum);
     let (s, dp) = (&*s, &*dp);

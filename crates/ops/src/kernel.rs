@@ -315,6 +315,10 @@ impl<'a, T> Mat<'a, T> {
     }
 }
 
+/// f32 products of at most this many multiply-adds whose `b` has unit column stride go
+/// to [`crate::sgemm::small_sgemm`] (no packing) on AVX-512 CPUs: the attention's.
+const SMALL_MAX: usize = 1 << 19;
+
 /// Products below this many multiply-adds run on one thread.
 const PARALLEL_MIN: usize = 1 << 21;
 
@@ -345,6 +349,21 @@ pub(crate) fn matmul<T: Float>(
             for r in 0..m {
                 dst[r * ld..r * ld + n].fill(T::zero());
             }
+        }
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if T::DTYPE == candle_core::DType::F32 && b.cs == 1 && m * n * k <= SMALL_MAX && avx512() {
+        // SAFETY: T is f32 (its dtype says so), so the casts are identities; the bounds
+        // were checked above and `dst` is exclusively borrowed.
+        unsafe {
+            let f = |x: Mat<T>| Mat {
+                data: std::slice::from_raw_parts(x.data.as_ptr().cast::<f32>(), x.data.len()),
+                rs: x.rs,
+                cs: x.cs,
+            };
+            let d = dst.as_mut_ptr().cast::<f32>();
+            crate::sgemm::small_sgemm(m, n, k, d, ld, accumulate, f(a), f(b));
         }
         return;
     }

@@ -75,6 +75,7 @@ mod kernel;
 mod linear;
 mod loss;
 mod norm;
+mod sgemm;
 
 pub use attention::{causal_attention_packed, causal_self_attention};
 pub use gelu::gelu;

@@ -1,0 +1,221 @@
+//! Small single-precision matrix products for AVX-512, without packing: `C = (C or 0) +
+//! A·B` for `A` `[m, k]` of any strides, `B` `[k, n]` row-major (unit column stride) and
+//! `C` row-major.
+//!
+//! These are the products inside the fused attention (`T × T × hd` per head, in blocks
+//! of 16 rows), a few hundred thousand multiply-adds each, where the `gemm` crate's
+//! dispatch and packing cost more than the arithmetic. Everything such a product touches
+//! already sits in L1 or L2, so the micro-kernel reads its operands in place:
+//!
+//! * an `R × 32` tile of `C` (`R ≤ 8`, 16 of the 32 `zmm` registers) accumulates, for
+//!   each `p` of the depth, two vectors of `B`'s row `p` times `R` broadcast elements of
+//!   `A`'s column `p`: 16 fused multiply-adds against 2 vector loads and `R` broadcasts;
+//! * the last tile column uses AVX-512 masks (a masked load never faults on the lanes it
+//!   leaves out), and a tile of at most 16 columns uses one vector;
+//! * `R` and the vector count are compile-time constants, so the tile lives in registers.
+//!
+//! Large products keep going to the `gemm` crate, whose cache blocking wins there.
+
+#![cfg(target_arch = "x86_64")]
+
+use std::arch::x86_64::*;
+
+use crate::kernel::Mat;
+
+/// Rows of the register tile.
+const MR: usize = 8;
+/// Columns of the register tile (two 16-lane vectors).
+const NR: usize = 32;
+
+/// `dst[m×n] = (accumulate ? dst : 0) + a · b` on one thread, `dst` row-major with row
+/// stride `ld`, `b` with unit column stride (`b.cs == 1`).
+///
+/// # Safety
+/// The CPU must support AVX-512F; the caller has checked every operand's bounds for
+/// these `m`, `n`, `k` and `ld` (as [`crate::kernel::matmul`] does), and `dst` does not
+/// alias `a` or `b`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn small_sgemm(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut f32,
+    ld: usize,
+    accumulate: bool,
+    a: Mat<f32>,
+    b: Mat<f32>,
+) {
+    debug_assert_eq!(b.cs, 1);
+    let (ap, bp) = (a.data.as_ptr(), b.data.as_ptr());
+    for i in (0..m).step_by(MR) {
+        let rows = (m - i).min(MR);
+        for j in (0..n).step_by(NR) {
+            let cols = (n - j).min(NR);
+            let t = Tile {
+                k,
+                a: ap.add(i * a.rs),
+                rs: a.rs,
+                cs: a.cs,
+                b: bp.add(j),
+                ldb: b.rs,
+                c: dst.add(i * ld + j),
+                ldc: ld,
+                mask: [lanes(cols), lanes(cols.saturating_sub(16))],
+                acc: accumulate,
+            };
+            macro_rules! go {
+                ($($r:literal)*) => {
+                    match (rows, cols > 16) {
+                        $(($r, false) => t.run::<$r, 1>(), ($r, true) => t.run::<$r, 2>(),)*
+                        _ => unreachable!("rows ≤ MR"),
+                    }
+                };
+            }
+            go!(1 2 3 4 5 6 7 8);
+        }
+    }
+}
+
+/// A mask of the first `n` (at most 16) lanes.
+fn lanes(n: usize) -> __mmask16 {
+    if n >= 16 {
+        0xffff
+    } else {
+        ((1u32 << n) - 1) as __mmask16
+    }
+}
+
+/// One tile of `C`: its rows of `A`, its columns of `B`, where it goes.
+struct Tile {
+    k: usize,
+    a: *const f32,
+    rs: usize,
+    cs: usize,
+    b: *const f32,
+    ldb: usize,
+    c: *mut f32,
+    ldc: usize,
+    mask: [__mmask16; 2],
+    acc: bool,
+}
+
+impl Tile {
+    /// `C[R × 16V] = (C or 0) + A[R × k] · B[k × 16V]`, masked to the tile's columns.
+    ///
+    /// # Safety
+    /// AVX-512F; the rows `R` and the unmasked columns are inside the operands.
+    #[target_feature(enable = "avx512f,fma")]
+    unsafe fn run<const R: usize, const V: usize>(&self) {
+        let mut r = [[_mm512_setzero_ps(); V]; R];
+        let (mut a, mut b) = (self.a, self.b);
+        for _ in 0..self.k {
+            let mut bv = [_mm512_setzero_ps(); V];
+            for (v, x) in bv.iter_mut().enumerate() {
+                *x = _mm512_maskz_loadu_ps(self.mask[v], b.add(16 * v));
+            }
+            for (i, ri) in r.iter_mut().enumerate() {
+                let ai = _mm512_set1_ps(*a.add(i * self.rs));
+                for (x, acc) in bv.iter().zip(ri.iter_mut()) {
+                    *acc = _mm512_fmadd_ps(ai, *x, *acc);
+                }
+            }
+            a = a.add(self.cs);
+            b = b.add(self.ldb);
+        }
+        for (i, ri) in r.iter().enumerate() {
+            let row = self.c.add(i * self.ldc);
+            for (v, &x) in ri.iter().enumerate() {
+                let (p, mask) = (row.add(16 * v), self.mask[v]);
+                let x = match self.acc {
+                    true => _mm512_add_ps(x, _mm512_maskz_loadu_ps(mask, p)),
+                    false => x,
+                };
+                _mm512_mask_storeu_ps(p, mask, x);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The product in f64, element by element.
+    fn naive(m: usize, n: usize, k: usize, a: Mat<f32>, b: Mat<f32>) -> Vec<f64> {
+        let mut c = vec![0f64; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                for p in 0..k {
+                    c[i * n + j] +=
+                        a.data[i * a.rs + p * a.cs] as f64 * b.data[p * b.rs + j * b.cs] as f64;
+                }
+            }
+        }
+        c
+    }
+
+    fn data(len: usize, seed: u32) -> Vec<f32> {
+        (0..len)
+            .map(|i| ((i as u32).wrapping_mul(2_654_435_761).wrapping_add(seed) >> 8) as f32)
+            .map(|v| v / (1 << 24) as f32 - 0.5)
+            .collect()
+    }
+
+    #[test]
+    fn matches_the_naive_product_on_every_layout_and_edge() {
+        if !std::is_x86_feature_detected!("avx512f") {
+            return;
+        }
+        // Shapes that cross every tile edge, with one and two vectors per tile row.
+        for &(m, n, k) in &[
+            (1, 1, 1),
+            (14, 32, 1),
+            (9, 16, 5),
+            (8, 48, 33),
+            (13, 31, 7),
+            (15, 33, 257),
+            (17, 70, 300),
+            (30, 160, 20),
+            (3, 5, 600),
+        ] {
+            for ta in [false, true] {
+                for accumulate in [false, true] {
+                    let av = data(m * k, 1);
+                    let bv = data(k * n, 2);
+                    let a = match ta {
+                        false => Mat::rows(&av, k),
+                        true => Mat::rows(&av, m).t(),
+                    };
+                    let b = Mat::rows(&bv, n);
+                    // A destination wider than n, to check the row stride.
+                    let ld = n + 3;
+                    let init = data(m * ld, 3);
+                    let mut c = init.clone();
+                    // SAFETY: AVX-512F was detected; the operands are exactly sized.
+                    unsafe { small_sgemm(m, n, k, c.as_mut_ptr(), ld, accumulate, a, b) };
+                    let want = naive(m, n, k, a, b);
+                    for i in 0..m {
+                        for j in 0..ld {
+                            let got = c[i * ld + j] as f64;
+                            if j >= n {
+                                assert_eq!(c[i * ld + j], init[i * ld + j], "wrote past n");
+                                continue;
+                            }
+                            let base = if accumulate {
+                                init[i * ld + j] as f64
+                            } else {
+                                0.0
+                            };
+                            let w = base + want[i * n + j];
+                            assert!(
+                                (got - w).abs() <= 1e-5 * (1.0 + w.abs()) * (k as f64).sqrt(),
+                                "m {m} n {n} k {k} ta {ta} acc {accumulate}: \
+                                 [{i},{j}] {got} vs {w}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
