@@ -136,7 +136,7 @@ fn width(i: usize, t: usize) -> usize {
 simd! {
     /// Row `i` of the `t × t` scores `s`: `p_j = exp(scale·(s_j − max)) / Σ` for `j ≤ i`,
     /// 0 after; records `lse_i = scale·max + ln Σ`.
-    fn softmax_causal<T>(s: &mut [T], t: usize, ld: usize, scale: f64, lse: &mut [T]) {
+    fn softmax_causal_portable<T>(s: &mut [T], t: usize, ld: usize, scale: f64, lse: &mut [T]) {
         let scale = T::from_f64(scale);
         for (i, row) in s.chunks_exact_mut(ld).take(t).enumerate() {
             let (live, dead) = row[..t].split_at_mut(width(i, t));
@@ -160,7 +160,7 @@ simd! {
 simd! {
     /// Recomputes `P` from the scores and the log-sum-exp, then turns `dp` into
     /// `dS = scale · P ⊙ (dP − D)` and `s` into `P`.
-    fn softmax_causal_bwd<T>(s: &mut [T], dp: &mut [T], t: usize, ld: usize, scale: f64, lse: &[T], dsum: &[T]) {
+    fn softmax_causal_bwd_portable<T>(s: &mut [T], dp: &mut [T], t: usize, ld: usize, scale: f64, lse: &[T], dsum: &[T]) {
         let scale = T::from_f64(scale);
         let rows = s.chunks_exact_mut(ld).zip(dp.chunks_exact_mut(ld)).take(t);
         for (i, (row, drow)) in rows.enumerate() {
@@ -174,6 +174,60 @@ simd! {
             drow[i + 1..t].fill(T::zero());
         }
     }
+}
+
+/// [`softmax_causal_portable`], through [`crate::avx512`]'s row kernel where it runs.
+fn softmax_causal<T: Float>(s: &mut [T], t: usize, ld: usize, scale: f64, lse: &mut [T]) {
+    #[cfg(target_arch = "x86_64")]
+    if let (Some(s), Some(lse)) = (kernel::avx512_f32_mut(s), kernel::avx512_f32_mut(lse)) {
+        for (i, row) in s.chunks_exact_mut(ld).take(t).enumerate() {
+            let (live, dead) = row[..t].split_at_mut(width(i, t));
+            // SAFETY: `avx512_f32_mut` only answers on CPUs with AVX-512; 1 ≤ i + 1 ≤ width.
+            lse[i] = unsafe { crate::avx512::softmax_row(live, i + 1, scale as f32) };
+            dead.fill(0.0);
+        }
+        return;
+    }
+    softmax_causal_portable(s, t, ld, scale, lse)
+}
+
+/// [`softmax_causal_bwd_portable`], through [`crate::avx512`]'s row kernel where it runs.
+fn softmax_causal_bwd<T: Float>(
+    s: &mut [T],
+    dp: &mut [T],
+    t: usize,
+    ld: usize,
+    scale: f64,
+    lse: &[T],
+    dsum: &[T],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if let (Some(s), Some(dp), Some(lse), Some(dsum)) = (
+        kernel::avx512_f32_mut(s),
+        kernel::avx512_f32_mut(dp),
+        kernel::avx512_f32(lse),
+        kernel::avx512_f32(dsum),
+    ) {
+        let rows = s.chunks_exact_mut(ld).zip(dp.chunks_exact_mut(ld)).take(t);
+        for (i, (row, drow)) in rows.enumerate() {
+            let w = width(i, t);
+            // SAFETY: as above; i + 1 ≤ width.
+            unsafe {
+                crate::avx512::softmax_row_bwd(
+                    &mut row[..w],
+                    &mut drow[..w],
+                    i + 1,
+                    scale as f32,
+                    lse[i],
+                    dsum[i],
+                )
+            };
+            row[w..t].fill(0.0);
+            drow[w..t].fill(0.0);
+        }
+        return;
+    }
+    softmax_causal_bwd_portable(s, dp, t, ld, scale, lse, dsum)
 }
 
 impl Attention {
@@ -243,7 +297,14 @@ fn scratch_len(g: Geo, backward: bool) -> usize {
 /// `dst = xᵀ` for the `t × hd` matrix `x`, `dst` row-major `hd × t`: the products
 /// `q·kᵀ` and `dO·vᵀ` then read their right operand row by row.
 fn transpose<T: Float>(x: Mat<T>, t: usize, hd: usize, dst: &mut [T]) {
-    for (j, row) in x.data.chunks(x.rs).take(t).enumerate() {
+    let src = &x.data[..(t - 1) * x.rs + hd];
+    #[cfg(target_arch = "x86_64")]
+    if let (Some(src), Some(dst)) = (kernel::avx512_f32(src), kernel::avx512_f32_mut(dst)) {
+        assert!(dst.len() >= hd * t, "transpose: destination too small");
+        // SAFETY: `avx512_f32` only answers on CPUs with AVX-512; the sizes were checked.
+        return unsafe { crate::avx512::transpose(src, x.rs, t, hd, dst, t) };
+    }
+    for (j, row) in src.chunks(x.rs).take(t).enumerate() {
         for (d, &v) in row[..hd].iter().enumerate() {
             dst[d * t + j] = v;
         }

@@ -9,7 +9,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use crate::kernel::{simd, uninit, Float};
+use crate::kernel::{self, simd, uninit, Float};
 
 const C: f64 = 0.797_884_560_802_865_4; // √(2/π)
 const A: f64 = 0.044_715;
@@ -54,6 +54,13 @@ simd! {
 }
 
 /// Elements per parallel task of an element-wise kernel over `n` elements.
+/// The portable kernels on one thread, for comparison with [`crate::avx512`]'s.
+#[cfg(test)]
+pub(crate) fn portable(x: &[f32], g: &[f32], y: &mut [f32], dx: &mut [f32]) {
+    gelu_kernel(x, y);
+    gelu_grad_kernel(x, g, dx);
+}
+
 fn chunk(n: usize) -> usize {
     let t = rayon::current_num_threads();
     if t <= 1 {
@@ -66,9 +73,14 @@ fn chunk(n: usize) -> usize {
 /// `y = gelu(x)` over slices, split over the pool's threads.
 pub(crate) fn gelu_forward_slice<T: Float>(x: &[T], y: &mut [T]) {
     let c = chunk(x.len());
-    y.par_chunks_mut(c)
-        .zip(x.par_chunks(c))
-        .for_each(|(y, x)| gelu_kernel(x, y));
+    y.par_chunks_mut(c).zip(x.par_chunks(c)).for_each(|(y, x)| {
+        #[cfg(target_arch = "x86_64")]
+        if let (Some(x), Some(y)) = (kernel::avx512_f32(x), kernel::avx512_f32_mut(y)) {
+            // SAFETY: `avx512_f32` only answers on CPUs with AVX-512.
+            return unsafe { crate::avx512::gelu(x, y) };
+        }
+        gelu_kernel(x, y)
+    });
 }
 
 /// `dx = g · gelu'(x)` over slices, split over the pool's threads.
@@ -76,7 +88,18 @@ pub(crate) fn gelu_backward_slice<T: Float>(x: &[T], g: &[T], dx: &mut [T]) {
     let c = chunk(x.len());
     dx.par_chunks_mut(c)
         .zip(x.par_chunks(c).zip(g.par_chunks(c)))
-        .for_each(|(d, (x, g))| gelu_grad_kernel(x, g, d));
+        .for_each(|(d, (x, g))| {
+            #[cfg(target_arch = "x86_64")]
+            if let (Some(x), Some(g), Some(d)) = (
+                kernel::avx512_f32(x),
+                kernel::avx512_f32(g),
+                kernel::avx512_f32_mut(d),
+            ) {
+                // SAFETY: `avx512_f32` only answers on CPUs with AVX-512.
+                return unsafe { crate::avx512::gelu_grad(x, g, d) };
+            }
+            gelu_grad_kernel(x, g, d)
+        });
 }
 
 fn run_forward<T: Float>(x: &[T]) -> Result<Vec<T>> {

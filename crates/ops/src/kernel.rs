@@ -132,11 +132,12 @@ impl Float for f64 {
 }
 
 /// `eˣ` in f32 without a libm call (so loops of it vectorise): Cody–Waite range reduction
-/// and the Cephes polynomial, within 2 ulp for arguments in `[-87.3, 88.7]`; below that
-/// range it returns the smallest normal (≈1.2e-38) instead of 0 or a denormal.
+/// and the Cephes polynomial, within 2 ulp for arguments in `[-87.3, 88.0]`; below that
+/// range it returns the smallest normal (≈1.2e-38) instead of 0 or a denormal, above it
+/// `e⁸⁸` (every caller passes arguments ≤ 0: shifted scores, `−2|x|`).
 #[inline(always)]
 pub(crate) fn exp_f32(x: f32) -> f32 {
-    let x = x.clamp(-87.336_54, 88.722_83);
+    let x = x.clamp(-87.336_54, 88.0);
     // Round to nearest with the 1.5·2²³ trick (vectorises, unlike `round`).
     let kf = (x * std::f32::consts::LOG2_E + 12_582_912.0) - 12_582_912.0;
     let r = x - kf * 0.693_359_4 + kf * 2.121_944_4e-4;
@@ -147,14 +148,9 @@ pub(crate) fn exp_f32(x: f32) -> f32 {
     p = p * r + 1.666_666_5e-1;
     p = p * r + 0.5;
     let p = p * r * r + r + 1.0;
-    // 2^kf as two factors (kf = 128 near the top of the range is not a finite single
-    // power); each exponent is built from the bits of `h + 1.5·2²³ + 127`, whose low
-    // mantissa bits hold `h + 127`: no float-to-int conversion, so the loop vectorises.
-    let h1 = (kf * 0.5).floor();
-    let h2 = kf - h1;
-    let s1 = f32::from_bits((h1 + 12_583_039.0).to_bits() << 23);
-    let s2 = f32::from_bits((h2 + 12_583_039.0).to_bits() << 23);
-    p * s1 * s2
+    // 2^kf (kf in [-126, 127]) from the bits of `kf + 1.5·2²³ + 127`, whose low mantissa
+    // bits hold `kf + 127`: no float-to-int conversion, so the loop vectorises.
+    p * f32::from_bits((kf + 12_583_039.0).to_bits() << 23)
 }
 
 /// `tanh(x)` in f32 from [`exp_f32`]: `(1 − e)/(1 + e)` with `e = exp(−2|x|)`, sign
@@ -251,6 +247,21 @@ pub(crate) fn slice<'a, T: Float>(s: &'a CpuStorage, l: &Layout, op: &str) -> Re
         )
     };
     Ok(&T::cpu_storage_as_slice(s)?[a..b])
+}
+
+/// `x` as `&[f32]` when `T` is f32 and the CPU runs the AVX-512 kernels of
+/// [`crate::avx512`]; `None` otherwise (the caller takes its portable path).
+pub(crate) fn avx512_f32<T: Float>(x: &[T]) -> Option<&[f32]> {
+    (cfg!(target_arch = "x86_64") && T::DTYPE == candle_core::DType::F32 && avx512())
+        // SAFETY: T is f32 (its dtype says so): the cast is the identity.
+        .then(|| unsafe { std::slice::from_raw_parts(x.as_ptr().cast::<f32>(), x.len()) })
+}
+
+/// [`avx512_f32`] for a mutable slice.
+pub(crate) fn avx512_f32_mut<T: Float>(x: &mut [T]) -> Option<&mut [f32]> {
+    (cfg!(target_arch = "x86_64") && T::DTYPE == candle_core::DType::F32 && avx512())
+        // SAFETY: as above.
+        .then(|| unsafe { std::slice::from_raw_parts_mut(x.as_mut_ptr().cast::<f32>(), x.len()) })
 }
 
 /// A read-locked view of a contiguous CPU tensor, for backward passes.

@@ -70,6 +70,7 @@
 //! `own_model`).
 
 mod attention;
+mod avx512;
 mod gelu;
 mod kernel;
 mod linear;

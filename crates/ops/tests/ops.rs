@@ -475,7 +475,7 @@ fn layer_norm_rows_wider_than_a_vector() {
     );
 }
 
-/// Long enough (T = 70) to cross the kernel's 32-row causal blocks, with a partial
+/// Long enough (T = 70) to cross the kernel's 16-row causal blocks, with a partial
 /// last block.
 #[test]
 fn packed_causal_attention_matches_reference_across_blocks() {
