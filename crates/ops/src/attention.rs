@@ -367,6 +367,16 @@ fn forward_pair<T: Float>(
     }
 }
 
+simd! {
+    /// `out[i] = Σ_d a[i·ld + d]·b[i·ld + d]` over the first `hd` columns of each row.
+    fn row_dots<T>(a: &[T], b: &[T], ld: usize, hd: usize, out: &mut [T]) {
+        for (i, v) in out.iter_mut().enumerate() {
+            let r = i * ld;
+            *v = dot(&a[r..r + hd], &b[r..r + hd]);
+        }
+    }
+}
+
 /// Backward of one (batch, head) pair into its q, k and v columns of `dx`.
 #[allow(clippy::too_many_arguments)]
 fn backward_pair<T: Float>(
@@ -397,10 +407,7 @@ fn backward_pair<T: Float>(
         rs: dl,
         cs: 1,
     };
-    for (i, ds) in dsum.iter_mut().enumerate() {
-        let r = oo + i * dl;
-        *ds = dot(&d_o[r..r + hd], &o[r..r + hd]);
-    }
+    row_dots(&d_o[oo..], &o[oo..], dl, hd, dsum);
     for (r0, r1) in blocks(t) {
         let qb = Mat {
             data: &qm.data[r0 * ld..],
