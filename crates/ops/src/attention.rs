@@ -258,12 +258,18 @@ impl Attention {
 
     fn backward<T: Float>(&self, qkv: &Tensor, y: &Tensor, grad: &Tensor) -> Result<Tensor> {
         let name = "switchyard-causal-attention";
-        let g = self.geo(qkv.shape())?;
         let grad = grad.contiguous()?;
         let (xv, yv, gv) = (view(qkv, name)?, view(y, name)?, view(&grad, name)?);
         let (x, o, d_o) = (xv.get::<T>()?, yv.get::<T>()?, gv.get::<T>()?);
+        let dx = self.backward_slices(x, o, d_o, self.geo(qkv.shape())?)?;
+        kernel::tensor(dx, qkv.shape().clone())
+    }
+
+    /// The gradient of the packed input from the input `x`, the output `o` and the output
+    /// gradient `d_o` (all contiguous), after [`Attention::forward`].
+    fn backward_slices<T: Float>(&self, x: &[T], o: &[T], d_o: &[T], g: Geo) -> Result<Vec<T>> {
         let Some(lse) = self.lse.get() else {
-            bail!("{name}: backward before forward")
+            bail!("switchyard-causal-attention: backward before forward")
         };
         let lse = T::cpu_storage_as_slice(lse)?;
         let mut dx = uninit::<T>(x.len())?;
@@ -272,7 +278,38 @@ impl Attention {
             || vec![T::zero(); scratch_len(g, true)],
             |scratch, pair| backward_pair(x, o, d_o, lse, g, pair, scratch, dst),
         );
-        kernel::tensor(dx, qkv.shape().clone())
+        Ok(dx)
+    }
+}
+
+/// The fused attention driven by another op ([`crate::linear`]'s attention epilogue): the
+/// forward pass over a packed `[B, T, 3·H·hd]` slice, keeping what the backward needs.
+pub(crate) struct AttentionEpilogue(Attention);
+
+impl AttentionEpilogue {
+    pub(crate) fn new(n_head: usize) -> Self {
+        AttentionEpilogue(Attention {
+            n_head,
+            lse: OnceLock::new(),
+        })
+    }
+
+    /// `[B, T, H·hd]` from the packed `qkv` of shape `shape`, and that output shape.
+    pub(crate) fn forward<T: Float>(&self, qkv: &[T], shape: &Shape) -> Result<(Vec<T>, Shape)> {
+        let g = self.0.geo(shape)?;
+        Ok((self.0.forward(qkv, g)?, Shape::from((g.b, g.t, g.dl()))))
+    }
+
+    /// The gradient of the packed input (shape `shape`) from the input, the output and
+    /// the output gradient.
+    pub(crate) fn backward<T: Float>(
+        &self,
+        qkv: &[T],
+        o: &[T],
+        d_o: &[T],
+        shape: &Shape,
+    ) -> Result<Vec<T>> {
+        self.0.backward_slices(qkv, o, d_o, self.0.geo(shape)?)
     }
 }
 

@@ -427,9 +427,9 @@ fn linear_gelu_matches_reference() {
 fn linear_hooks_reduce_the_output_and_the_input_gradient() {
     let double: Reduce = Arc::new(|t: &Tensor| t.affine(2.0, 0.0));
     let opts = LinearOptions {
-        gelu: false,
         reduce_output: Some(double.clone()),
         reduce_input_grad: Some(double),
+        ..LinearOptions::default()
     };
     let vals = [
         Rng::new(23).vec(7 * 6, 1.0),
@@ -456,6 +456,79 @@ fn linear_hooks_reduce_the_output_and_the_input_gradient() {
     for (i, name) in ["dx", "dw", "db"].iter().enumerate() {
         let got = to_f64(grads.get(t[i]).unwrap());
         assert_close(name, &got, &want[i], 1e-12);
+    }
+}
+
+/// The attention epilogue is the composition it replaces: `linear` then
+/// `causal_attention_packed`, in value and in the gradients of x, w and b (T = 37 crosses
+/// the causal blocks; 2 heads of 3). A hook on the input gradient still applies.
+#[test]
+fn linear_with_attention_epilogue_equals_the_two_ops() {
+    let (b, t, d, heads) = (2, 37, 5, 2);
+    let out = 3 * heads * 3;
+    let vals = [
+        Rng::new(40).vec(b * t * d, 1.0),
+        Rng::new(41).vec(out * d, 0.5),
+        Rng::new(42).vec(out, 0.5),
+    ];
+    let g = Rng::new(43).vec(b * t * heads * 3, 1.0);
+    let double: Reduce = Arc::new(|t: &Tensor| t.affine(2.0, 0.0));
+    for (dtype, tol) in [(DType::F64, 1e-12), (DType::F32, 1e-5)] {
+        let run = |fused: bool| -> Vec<Vec<f64>> {
+            let shapes: [&[usize]; 3] = [&[b, t, d], &[out, d], &[out]];
+            let vars: Vec<Var> = (0..3)
+                .map(|i| Var::from_tensor(&tensor(&vals[i], shapes[i], dtype)).unwrap())
+                .collect();
+            let [x, w, bias] = [0, 1, 2].map(|i| vars[i].as_tensor());
+            let hook = LinearOptions {
+                reduce_input_grad: Some(double.clone()),
+                ..LinearOptions::default()
+            };
+            let y = match fused {
+                true => {
+                    let opts = LinearOptions {
+                        attention_heads: Some(heads),
+                        ..hook
+                    };
+                    linear_with(x, w, Some(bias), &opts).unwrap()
+                }
+                false => {
+                    let qkv = linear_with(x, w, Some(bias), &hook).unwrap();
+                    causal_attention_packed(&qkv, heads).unwrap()
+                }
+            };
+            assert_eq!(y.dims(), [b, t, heads * 3]);
+            let gt = tensor(&g, &[b, t, heads * 3], dtype);
+            let grads = (&y * gt).unwrap().sum_all().unwrap().backward().unwrap();
+            let mut out = vec![to_f64(&y)];
+            out.extend([x, w, bias].map(|v| to_f64(grads.get(v).unwrap())));
+            out
+        };
+        let (fused, plain) = (run(true), run(false));
+        for (i, what) in ["value", "dx", "dw", "db"].iter().enumerate() {
+            assert_close(&format!("{what} {dtype:?}"), &fused[i], &plain[i], tol);
+        }
+    }
+}
+
+#[test]
+fn the_attention_epilogue_rejects_bad_options() {
+    let dev = Device::Cpu;
+    let x = Tensor::zeros((1, 4, 6), DType::F32, &dev).unwrap();
+    let w = Tensor::zeros((12, 6), DType::F32, &dev).unwrap();
+    let with = |heads, gelu| LinearOptions {
+        attention_heads: Some(heads),
+        gelu,
+        ..LinearOptions::default()
+    };
+    // 12 is not 3 × 5 heads; GELU and attention together; a rank-2 input.
+    for (x, opts) in [
+        (&x, with(5, false)),
+        (&x, with(2, true)),
+        (&x.squeeze(0).unwrap(), with(2, false)),
+    ] {
+        let e = linear_with(x, &w, None, &opts).unwrap_err().to_string();
+        assert!(e.contains("attention"), "{e}");
     }
 }
 

@@ -11,7 +11,6 @@ use std::sync::Arc;
 
 use candle_core::{Module, Result, Tensor};
 use switchyard_comm::Communicator;
-use switchyard_ops::causal_attention_packed;
 
 use crate::error::ShardError;
 use crate::linear::{check_group, column_row_pair, ColumnParallelLinear, RowParallelLinear};
@@ -105,13 +104,13 @@ impl ParallelSelfAttention {
 
     /// `x` `[B, T, d]` (replicated) to `[B, T, d]` (replicated).
     ///
-    /// Three fused ops: the qkv projection, causal attention straight on its packed output
-    /// (no transposes, no `(B, H, T, T)` tensors), and the output projection with its
-    /// all-reduce and bias.
+    /// Two fused ops: the qkv projection with causal attention straight on its packed
+    /// output (no transposes, no `(B, H, T, T)` tensors, and no qkv tensor between them),
+    /// and the output projection with its all-reduce and bias.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         x.dims3()?;
-        let qkv = self.c_attn.forward(x)?; // [B, T, 3·d/p] = [q_i | k_i | v_i]
-        let y = causal_attention_packed(&qkv, self.local_heads)?; // [B, T, d/p]
+        // [B, T, 3·d/p] = [q_i | k_i | v_i] inside the op; out comes [B, T, d/p].
+        let y = self.c_attn.forward_attention(x, self.local_heads)?;
         self.c_proj.forward(&y)
     }
 
