@@ -9,7 +9,7 @@ use candle_core::{DType, Device, Tensor, Var};
 use common::{assert_close, check, tensor, to_f64, Input, Rng};
 use switchyard_ops::{
     causal_attention_packed, causal_self_attention, cross_entropy, cross_entropy_parallel, gelu,
-    layer_norm, linear, linear_gelu, linear_with, LinearOptions, Reduce,
+    layer_norm, linear, linear_gelu, linear_with, mlp, LinearOptions, MlpOptions, Reduce,
 };
 
 fn input(name: &'static str, shape: &[usize], seed: u64, scale: f64) -> Input {
@@ -509,6 +509,96 @@ fn linear_with_attention_epilogue_equals_the_two_ops() {
             assert_close(&format!("{what} {dtype:?}"), &fused[i], &plain[i], tol);
         }
     }
+}
+
+/// The fused MLP is the composition it replaces, `linear_gelu` then `linear`, in value and
+/// in the gradients of x, w1, b1, w2 and b2, with the tensor-parallel hooks on (a
+/// "collective" that doubles) and off, with and without biases.
+#[test]
+fn mlp_equals_the_two_linear_ops() {
+    let (n, d, hidden, out) = (2 * 19, 5, 12, 7);
+    let vals = [
+        Rng::new(50).vec(n * d, 1.0),
+        Rng::new(51).vec(hidden * d, 0.5),
+        Rng::new(52).vec(hidden, 0.5),
+        Rng::new(53).vec(out * hidden, 0.5),
+        Rng::new(54).vec(out, 0.5),
+    ];
+    let g = Rng::new(55).vec(n * out, 1.0);
+    let double: Reduce = Arc::new(|t: &Tensor| t.affine(2.0, 0.0));
+    for (dtype, tol) in [(DType::F64, 1e-12), (DType::F32, 1e-5)] {
+        for hooks in [false, true] {
+            for biases in [true, false] {
+                let opts = MlpOptions {
+                    reduce_output: hooks.then(|| double.clone()),
+                    reduce_input_grad: hooks.then(|| double.clone()),
+                };
+                let run = |fused: bool| -> Vec<Vec<f64>> {
+                    let shapes: [&[usize]; 5] =
+                        [&[2, 19, d], &[hidden, d], &[hidden], &[out, hidden], &[out]];
+                    let vars: Vec<Var> = (0..5)
+                        .map(|i| Var::from_tensor(&tensor(&vals[i], shapes[i], dtype)).unwrap())
+                        .collect();
+                    let t: Vec<&Tensor> = vars.iter().map(|v| v.as_tensor()).collect();
+                    let (b1, b2) = match biases {
+                        true => (Some(t[2]), Some(t[4])),
+                        false => (None, None),
+                    };
+                    let y = match fused {
+                        true => mlp(t[0], t[1], b1, t[3], b2, &opts).unwrap(),
+                        false => {
+                            let first = LinearOptions {
+                                gelu: true,
+                                reduce_input_grad: opts.reduce_input_grad.clone(),
+                                ..LinearOptions::default()
+                            };
+                            let second = LinearOptions {
+                                reduce_output: opts.reduce_output.clone(),
+                                ..LinearOptions::default()
+                            };
+                            let h = linear_with(t[0], t[1], b1, &first).unwrap();
+                            linear_with(&h, t[3], b2, &second).unwrap()
+                        }
+                    };
+                    assert_eq!(y.dims(), [2, 19, out]);
+                    let gt = tensor(&g, &[2, 19, out], dtype);
+                    let grads = (&y * gt).unwrap().sum_all().unwrap().backward().unwrap();
+                    let mut res = vec![to_f64(&y)];
+                    for (i, v) in t.iter().enumerate() {
+                        if biases || (i != 2 && i != 4) {
+                            res.push(to_f64(grads.get(v).unwrap()));
+                        }
+                    }
+                    res
+                };
+                let (fused, plain) = (run(true), run(false));
+                assert_eq!(fused.len(), plain.len());
+                for (i, (f, p)) in fused.iter().zip(&plain).enumerate() {
+                    let what = format!("output {i} {dtype:?} hooks {hooks} biases {biases}");
+                    assert_close(&what, f, p, tol);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn mlp_rejects_mismatched_shapes() {
+    let dev = Device::Cpu;
+    let z = |s: &[usize]| Tensor::zeros(s, DType::F32, &dev).unwrap();
+    let o = MlpOptions::default();
+    let e = mlp(&z(&[3, 4]), &z(&[8, 4]), None, &z(&[4, 9]), None, &o).unwrap_err();
+    assert!(e.to_string().contains("mlp: shapes"), "{e}");
+    let e = mlp(
+        &z(&[3, 4]),
+        &z(&[8, 4]),
+        Some(&z(&[7])),
+        &z(&[4, 8]),
+        None,
+        &o,
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("b1"), "{e}");
 }
 
 #[test]

@@ -12,8 +12,11 @@ use switchyard_comm::Communicator;
 
 use crate::attention::LayerInit;
 use crate::error::ShardError;
-use crate::linear::{check_group, column_row_pair, ColumnParallelLinear, RowParallelLinear};
+use crate::linear::{
+    all_reduce_hook, check_group, column_row_pair, ColumnParallelLinear, RowParallelLinear,
+};
 use crate::param::Builder;
+use switchyard_ops::{mlp, MlpOptions};
 
 /// `c_fc` (column, `d → hidden`, bias), GELU (tanh approximation), `c_proj` (row,
 /// `hidden → d`, bias).
@@ -57,7 +60,23 @@ impl ParallelMlp {
 
     /// `x` `[.., d]` (replicated) to `[.., d]` (replicated).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        self.c_proj.forward(&self.c_fc.forward_gelu(x)?)
+        // One fused op: both products, GELU, both biases, `f` on the input gradient and
+        // `g` on the output; the `[.., hidden/p]` activation never leaves it.
+        let comm = self.c_fc.comm();
+        let hook = (comm.world_size() > 1).then(|| all_reduce_hook(comm));
+        let opts = MlpOptions {
+            reduce_output: hook.clone(),
+            reduce_input_grad: hook,
+        };
+        mlp(
+            x,
+            self.c_fc.weight().as_tensor(),
+            self.c_fc.bias().map(|b| b.as_tensor()),
+            self.c_proj.weight().as_tensor(),
+            self.c_proj.bias().map(|b| b.as_tensor()),
+            &opts,
+        )
+        .map_err(|e| e.context(format!("{} (tensor-parallel MLP)", self.c_fc.name())))
     }
 
     /// The input projection.
