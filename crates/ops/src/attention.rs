@@ -282,8 +282,8 @@ impl Attention {
     }
 }
 
-/// The fused attention driven by another op ([`crate::linear`]'s attention epilogue): the
-/// forward pass over a packed `[B, T, 3·H·hd]` slice, keeping what the backward needs.
+/// The fused attention driven by another op (the middle of [`crate::attention_block`]):
+/// the forward pass over a packed `[B, T, 3·H·hd]` slice, keeping what the backward needs.
 pub(crate) struct AttentionEpilogue(Attention);
 
 impl AttentionEpilogue {

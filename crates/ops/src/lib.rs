@@ -13,8 +13,9 @@
 //! | [`gelu`] | `0.5 · x · (1 + tanh(√(2/π) · (x + 0.044715 · x³)))` (the tanh approximation of GPT-2) |
 //! | [`linear`] | `x · wᵀ + b`, with `w` stored `[out, in]` as in PyTorch |
 //! | [`linear_gelu`] | `gelu(x · wᵀ + b)` |
-//! | [`linear_with`] | the above, with collectives on the output and the input gradient (tensor parallelism), or causal attention on a fused qkv projection |
+//! | [`linear_with`] | the above, with collectives on the output and the input gradient (tensor parallelism) |
 //! | [`mlp`] | `gelu(x · w1ᵀ + b1) · w2ᵀ + b2`, a transformer's MLP in one op, with the same collectives |
+//! | [`attention_block`] | `attention(x · w_qkvᵀ + b_qkv) · w_projᵀ + b_proj`, a transformer's attention in one op |
 //! | [`causal_self_attention`] | `softmax(q · kᵀ / √hd + M) · v`, `M` = 0 on and below the diagonal, −∞ above |
 //! | [`causal_attention_packed`] | the same on a fused `[B, T, 3·H·hd]` qkv projection, giving `[B, T, H·hd]` |
 //! | [`cross_entropy`] | `mean_i (logsumexp(z_i) − z_i[t_i])` |
@@ -84,7 +85,7 @@ pub use attention::{causal_attention_packed, causal_self_attention};
 pub use gelu::gelu;
 pub use linear::{linear, linear_gelu, linear_with, LinearOptions, Reduce};
 pub use loss::{cross_entropy, cross_entropy_parallel};
-pub use mlp::{mlp, MlpOptions};
+pub use mlp::{attention_block, mlp, PairOptions};
 pub use norm::layer_norm;
 
 #[cfg(doc)]

@@ -19,7 +19,6 @@ use candle_core::{
 };
 use rayon::prelude::*;
 
-use crate::attention::AttentionEpilogue;
 use crate::gelu::{gelu_backward_slice, gelu_forward_slice};
 use crate::kernel::{self, matmul, simd, slice, uninit, view, Float, Mat};
 
@@ -37,12 +36,6 @@ pub struct LinearOptions {
     pub reduce_output: Option<Reduce>,
     /// Reduce the input gradient with this collective: a column-parallel layer's `f`.
     pub reduce_input_grad: Option<Reduce>,
-    /// Run causal self-attention over this many heads on the result, read as a packed
-    /// `q | k | v` projection ([`crate::causal_attention_packed`]): the qkv projection
-    /// and the attention in one op, so the `[B, T, 3·H·hd]` projection never becomes a
-    /// tensor of its own (nor a gradient candle allocates and accumulates). The input
-    /// must be `[B, T, in]`; not with `gelu` or `reduce_output`.
-    pub attention_heads: Option<usize>,
 }
 
 /// `y = x · wᵀ + b` for `x` of shape `[.., in]` (rank 2 or 3, e.g. `[N, in]` or
@@ -88,23 +81,11 @@ pub fn linear_with(
             );
         }
     }
-    if let Some(h) = opts.attention_heads {
-        if opts.gelu || opts.reduce_output.is_some() {
-            bail!("linear: the attention epilogue excludes gelu and reduce_output");
-        }
-        if x.rank() != 3 || h == 0 || out_f % (3 * h) != 0 {
-            bail!(
-                "linear: attention over {h} heads needs an input [B, T, {in_f}] and an output width ({out_f}) divisible by 3 × heads, got input {:?}",
-                x.dims()
-            );
-        }
-    }
     match x.dtype() {
         DType::F32 | DType::F64 => {
             let op = Linear {
                 opts: opts.clone(),
                 pre: OnceLock::new(),
-                attention: opts.attention_heads.map(AttentionEpilogue::new),
             };
             let (x, w) = (x.contiguous()?, w.contiguous()?);
             match b {
@@ -130,9 +111,6 @@ fn composite(x: &Tensor, w: &Tensor, b: Option<&Tensor>, opts: &LinearOptions) -
     }
     *dims.last_mut().expect("rank ≥ 2") = w.dim(0)?;
     let y = y.reshape(dims)?;
-    if let Some(h) = opts.attention_heads {
-        return crate::causal_attention_packed(&y, h);
-    }
     match opts.gelu {
         true => crate::gelu(&y),
         false => Ok(y),
@@ -141,10 +119,8 @@ fn composite(x: &Tensor, w: &Tensor, b: Option<&Tensor>, opts: &LinearOptions) -
 
 struct Linear {
     opts: LinearOptions,
-    /// The pre-activation, kept for GELU's derivative or the attention's backward.
+    /// The pre-activation, kept for GELU's derivative.
     pre: OnceLock<CpuStorage>,
-    /// The attention epilogue, when asked for.
-    attention: Option<AttentionEpilogue>,
 }
 
 simd! {
@@ -194,8 +170,6 @@ impl Linear {
     fn name(&self) -> &'static str {
         if self.opts.gelu {
             "switchyard-linear-gelu"
-        } else if self.attention.is_some() {
-            "switchyard-linear-attention"
         } else {
             "switchyard-linear"
         }
@@ -238,11 +212,6 @@ impl Linear {
         }
         let mut out_dims = shape.dims().to_vec();
         *out_dims.last_mut().expect("rank ≥ 2") = out_f;
-        if let Some(attn) = &self.attention {
-            let (o, o_shape) = attn.forward(&y, &Shape::from(out_dims))?;
-            let _ = self.pre.set(T::to_cpu_storage_owned(y));
-            return Ok((T::to_cpu_storage_owned(o), o_shape));
-        }
         if !self.opts.gelu {
             return Ok((T::to_cpu_storage_owned(y), Shape::from(out_dims)));
         }
@@ -259,7 +228,6 @@ impl Linear {
         x: &Tensor,
         w: &Tensor,
         has_bias: bool,
-        res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Tensor, Option<Tensor>)> {
         let name = self.name();
@@ -268,16 +236,7 @@ impl Linear {
         let (xv, wv, gv) = (view(x, name)?, view(w, name)?, view(&grad, name)?);
         let (xs, ws, g) = (xv.get::<T>()?, wv.get::<T>()?, gv.get::<T>()?);
         let rows = xs.len() / in_f;
-        let g: Cow<[T]> = if let Some(attn) = &self.attention {
-            let Some(pre) = self.pre.get() else {
-                bail!("{name}: backward before forward")
-            };
-            let qkv = T::cpu_storage_as_slice(pre)?;
-            let ov = view(res, name)?;
-            let mut shape = x.dims().to_vec();
-            *shape.last_mut().expect("rank 3") = out_f;
-            Cow::Owned(attn.backward(qkv, ov.get::<T>()?, g, &Shape::from(shape))?)
-        } else if self.opts.gelu {
+        let g: Cow<[T]> = if self.opts.gelu {
             let Some(pre) = self.pre.get() else {
                 bail!("{name}: backward before forward")
             };
@@ -369,12 +328,12 @@ impl CustomOp3 for Linear {
         x: &Tensor,
         w: &Tensor,
         _b: &Tensor,
-        res: &Tensor,
+        _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let (dx, dw, db) = match x.dtype() {
-            DType::F32 => self.backward::<f32>(x, w, true, res, grad)?,
-            _ => self.backward::<f64>(x, w, true, res, grad)?,
+            DType::F32 => self.backward::<f32>(x, w, true, grad)?,
+            _ => self.backward::<f64>(x, w, true, grad)?,
         };
         Ok((dx, Some(dw), db))
     }
@@ -408,12 +367,12 @@ impl CustomOp2 for Linear {
         &self,
         x: &Tensor,
         w: &Tensor,
-        res: &Tensor,
+        _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let (dx, dw, _) = match x.dtype() {
-            DType::F32 => self.backward::<f32>(x, w, false, res, grad)?,
-            _ => self.backward::<f64>(x, w, false, res, grad)?,
+            DType::F32 => self.backward::<f32>(x, w, false, grad)?,
+            _ => self.backward::<f64>(x, w, false, grad)?,
         };
         Ok((dx, Some(dw)))
     }

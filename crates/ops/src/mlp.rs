@@ -1,12 +1,17 @@
-//! A transformer's MLP, `m = gelu(x · w1ᵀ + b1) · w2ᵀ + b2`, as one op with a hand-written
-//! backward, with the hooks of tensor parallelism (Megatron's column-then-row pair:
-//! `f` on the input gradient, `g` on the output before `b2`).
+//! The two halves of a transformer block, each as one op with a hand-written backward:
+//! Megatron's column-then-row pair `y = mid(x · w1ᵀ + b1) · w2ᵀ + b2` with a middle
+//! function that needs no communication, and the hooks of tensor parallelism (`f` on the
+//! input gradient, `g` on the output before `b2`):
 //!
-//! As two [`crate::linear_with`] ops, the `[N, hidden]` activation between them is a
-//! tensor of candle's graph, so backward allocates a zeroed gradient for it and adds the
-//! second op's gradient into that: 4 × the activation's bytes of memory traffic (16 MiB
-//! at the reference workload's 4,096 tokens × 1,024) that does nothing. Here it stays
-//! inside the op.
+//! * [`mlp`]: `mid` = GELU, `w1` = `c_fc`, `w2` = `c_proj`;
+//! * [`attention_block`]: `mid` = causal self-attention over the packed q | k | v
+//!   projection ([`crate::causal_attention_packed`]), `w1` = `c_attn`, `w2` = `c_proj`.
+//!
+//! As separate ops, the activations between them (the `[N, hidden]` MLP activation, the
+//! `[N, 3·d]` qkv projection, the `[N, d]` attention output) are tensors of candle's
+//! graph, so backward allocates a zeroed gradient for each and adds the next op's
+//! gradient into it: 4 × their bytes of memory traffic that does nothing (56 MiB a layer
+//! at the reference workload's 4,096 tokens). Here they stay inside the op.
 //!
 //! Candle's custom ops take at most three inputs, so each bias travels as the last
 //! column of its weight (`[w | b]`, built with `Tensor::cat`, whose backward hands the
@@ -14,23 +19,24 @@
 //! against activation-sized savings.
 //!
 //! Forward: `pre = x·w1ᵀ + b1` (bias placed first, product accumulated onto it), `h =
-//! gelu(pre)`, `m = h·w2ᵀ` (+ `g`) `+ b2`; keeps `pre` and `h`. Backward, from `G`:
-//! `dw2 = Gᵀ·h`, `db2 = Σ_rows G`, `dh = G·w2`, `dpre = gelu′(pre) ⊙ dh`,
-//! `dw1 = dpreᵀ·x`, `db1 = Σ_rows dpre`, `dx = dpre·w1` (+ `f`).
+//! mid(pre)`, `y = h·w2ᵀ` (+ `g`) `+ b2`; keeps `pre` and `h`. Backward, from `G`:
+//! `dw2 = Gᵀ·h`, `db2 = Σ_rows G`, `dh = G·w2`, `dpre = mid′(dh)`, `dw1 = dpreᵀ·x`,
+//! `db1 = Σ_rows dpre`, `dx = dpre·w1` (+ `f`).
 
 use std::sync::OnceLock;
 
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, D};
 
+use crate::attention::AttentionEpilogue;
 use crate::gelu::{gelu_backward_slice, gelu_forward_slice};
 use crate::kernel::{self, matmul, slice, uninit, view, Float, Mat};
 use crate::linear::{add_rows, column_sums, Reduce};
 use crate::LinearOptions;
 
-/// The collectives around [`mlp`] (tensor parallelism).
+/// The collectives around [`mlp`] and [`attention_block`] (tensor parallelism).
 #[derive(Clone, Default)]
-pub struct MlpOptions {
+pub struct PairOptions {
     /// Reduce `h · w2ᵀ` (before `b2`) with this collective: the row-parallel layer's `g`.
     /// Its backward pass is the identity.
     pub reduce_output: Option<Reduce>,
@@ -41,36 +47,92 @@ pub struct MlpOptions {
 /// `gelu(x · w1ᵀ + b1) · w2ᵀ + b2` for `x` `[.., d]` (rank 2 or 3), `w1` `[hidden, d]`,
 /// `b1` `[hidden]`, `w2` `[out, hidden]`, `b2` `[out]` (PyTorch layouts; GELU is the tanh
 /// approximation of [`crate::gelu`]). Returns `[.., out]`.
-#[allow(clippy::too_many_arguments)]
 pub fn mlp(
     x: &Tensor,
     w1: &Tensor,
     b1: Option<&Tensor>,
     w2: &Tensor,
     b2: Option<&Tensor>,
-    opts: &MlpOptions,
+    opts: &PairOptions,
 ) -> Result<Tensor> {
-    let (hidden, d) = w1.dims2()?;
-    let (out, h2) = w2.dims2()?;
-    if h2 != hidden || !(2..=3).contains(&x.rank()) || x.dim(D::Minus1)? != d {
+    let (hidden, _) = w1.dims2()?;
+    check("mlp", x, w1, b1, w2, b2, hidden)?;
+    pair(x, [w1, w2], [b1, b2], None, opts)
+}
+
+/// `attention(x · w_qkvᵀ + b_qkv) · w_projᵀ + b_proj`: causal self-attention over
+/// `n_head` heads of the packed projection (columns `q | k | v`, each `n_head` heads of
+/// `hd`), then the output projection. `x` `[B, T, d]`, `w_qkv` `[3·H·hd, d]`, `b_qkv`
+/// `[3·H·hd]`, `w_proj` `[out, H·hd]`, `b_proj` `[out]`. Returns `[B, T, out]`.
+pub fn attention_block(
+    x: &Tensor,
+    w_qkv: &Tensor,
+    b_qkv: Option<&Tensor>,
+    w_proj: &Tensor,
+    b_proj: Option<&Tensor>,
+    n_head: usize,
+    opts: &PairOptions,
+) -> Result<Tensor> {
+    let (three_dl, _) = w_qkv.dims2()?;
+    if x.rank() != 3 || n_head == 0 || !three_dl.is_multiple_of(3 * n_head) {
         bail!(
-            "mlp: shapes must be x [.., d], w1 [hidden, d], w2 [out, hidden]; got x {:?}, w1 {:?}, w2 {:?}",
+            "attention_block: x must be [B, T, d] and the qkv width ({three_dl}) a multiple of 3 × n_head ({n_head}); got x {:?}",
+            x.dims()
+        );
+    }
+    check(
+        "attention_block",
+        x,
+        w_qkv,
+        b_qkv,
+        w_proj,
+        b_proj,
+        three_dl / 3,
+    )?;
+    pair(x, [w_qkv, w_proj], [b_qkv, b_proj], Some(n_head), opts)
+}
+
+/// Shapes: `x` `[.., d]`, `w1` `[n1, d]`, `w2` `[out, mid]`, biases `[n1]` and `[out]`.
+fn check(
+    what: &str,
+    x: &Tensor,
+    w1: &Tensor,
+    b1: Option<&Tensor>,
+    w2: &Tensor,
+    b2: Option<&Tensor>,
+    mid: usize,
+) -> Result<()> {
+    let (n1, d) = w1.dims2()?;
+    let (out, m) = w2.dims2()?;
+    if m != mid || !(2..=3).contains(&x.rank()) || x.dim(D::Minus1)? != d {
+        bail!(
+            "{what}: shapes must be x [.., d], w1 [n, d], w2 [out, {mid}]; got x {:?}, w1 {:?}, w2 {:?}",
             x.dims(),
             w1.dims(),
             w2.dims()
         );
     }
-    for (b, n, name) in [(b1, hidden, "b1"), (b2, out, "b2")] {
+    for (b, n, name) in [(b1, n1, "b1"), (b2, out, "b2")] {
         if let Some(b) = b {
             if b.dims() != [n] {
-                bail!("mlp: {name} must have shape [{n}], got {:?}", b.dims());
+                bail!("{what}: {name} must have shape [{n}], got {:?}", b.dims());
             }
         }
     }
+    Ok(())
+}
+
+/// The fused pair, or for dtypes other than f32 and f64 its three ops.
+fn pair(
+    x: &Tensor,
+    [w1, w2]: [&Tensor; 2],
+    [b1, b2]: [Option<&Tensor>; 2],
+    heads: Option<usize>,
+    opts: &PairOptions,
+) -> Result<Tensor> {
     if !matches!(x.dtype(), DType::F32 | DType::F64) {
-        // Other dtypes: the two linear ops.
         let first = LinearOptions {
-            gelu: true,
+            gelu: heads.is_none(),
             reduce_input_grad: opts.reduce_input_grad.clone(),
             ..LinearOptions::default()
         };
@@ -78,45 +140,62 @@ pub fn mlp(
             reduce_output: opts.reduce_output.clone(),
             ..LinearOptions::default()
         };
-        let h = crate::linear_with(x, w1, b1, &first)?;
+        let mut h = crate::linear_with(x, w1, b1, &first)?;
+        if let Some(n) = heads {
+            h = crate::causal_attention_packed(&h, n)?;
+        }
         return crate::linear_with(&h, w2, b2, &second);
     }
     let with_bias = |w: &Tensor, b: Option<&Tensor>| match b {
         Some(b) => Tensor::cat(&[w, &b.unsqueeze(1)?], 1),
         None => w.contiguous(),
     };
-    let op = Mlp {
+    let op = Pair {
         opts: opts.clone(),
-        d,
-        hidden,
-        out,
+        d: w1.dim(1)?,
+        n1: w1.dim(0)?,
+        mid: w2.dim(1)?,
+        out: w2.dim(0)?,
         bias: [b1.is_some(), b2.is_some()],
+        attention: heads.map(AttentionEpilogue::new),
         saved: OnceLock::new(),
     };
     x.contiguous()?
         .apply_op3(&with_bias(w1, b1)?, &with_bias(w2, b2)?, op)
 }
 
-struct Mlp {
-    opts: MlpOptions,
+struct Pair {
+    opts: PairOptions,
     d: usize,
-    hidden: usize,
+    /// Width of `pre` (`w1`'s rows) and of `h` (`w2`'s columns): equal for GELU, `3·dl`
+    /// and `dl` for attention.
+    n1: usize,
+    mid: usize,
     out: usize,
     /// Whether `w1` and `w2` carry a bias column.
     bias: [bool; 2],
-    /// `pre` and `h = gelu(pre)`, for the backward pass.
+    /// The middle function: attention, or GELU when `None`.
+    attention: Option<AttentionEpilogue>,
+    /// `pre` and `h = mid(pre)`, for the backward pass.
     saved: OnceLock<(CpuStorage, CpuStorage)>,
 }
 
-impl Mlp {
-    const NAME: &'static str = "switchyard-mlp";
+impl Pair {
+    const NAME: &'static str = "switchyard-column-row-pair";
 
     /// Row strides of the two weight inputs: their width plus the bias column.
     fn lds(&self) -> (usize, usize) {
         (
             self.d + self.bias[0] as usize,
-            self.hidden + self.bias[1] as usize,
+            self.mid + self.bias[1] as usize,
         )
+    }
+
+    /// The shape of `pre` for the attention: `[B, T, n1]` from the input's shape.
+    fn pre_shape(&self, x: &Shape) -> Shape {
+        let mut dims = x.dims().to_vec();
+        *dims.last_mut().expect("rank ≥ 2") = self.n1;
+        Shape::from(dims)
     }
 
     fn forward<T: Float>(
@@ -126,34 +205,31 @@ impl Mlp {
         w2: &[T],
         shape: &Shape,
     ) -> Result<(CpuStorage, Shape)> {
-        let (d, hidden, out) = (self.d, self.hidden, self.out);
+        let (d, n1, mid, out) = (self.d, self.n1, self.mid, self.out);
         let (ld1, ld2) = self.lds();
         let rows = x.len() / d.max(1);
         let bias = |w: &[T], n: usize, ld: usize| -> Vec<T> {
             (0..n).map(|i| w[i * ld + ld - 1]).collect()
         };
-        let mut pre = uninit::<T>(rows * hidden)?;
+        let mut pre = uninit::<T>(rows * n1)?;
         if self.bias[0] {
-            let b1 = bias(w1, hidden, ld1);
-            for row in pre.chunks_exact_mut(hidden) {
+            let b1 = bias(w1, n1, ld1);
+            for row in pre.chunks_exact_mut(n1) {
                 row.copy_from_slice(&b1);
             }
         }
-        let w1m = Mat::rows(w1, ld1);
-        let w2m = Mat::rows(w2, ld2);
-        matmul(
-            rows,
-            hidden,
-            d,
-            &mut pre,
-            hidden,
-            self.bias[0],
-            Mat::rows(x, d),
-            w1m.t(),
-            true,
-        );
-        let mut h = uninit::<T>(pre.len())?;
-        gelu_forward_slice(&pre, &mut h);
+        let (w1m, w2m) = (Mat::rows(w1, ld1), Mat::rows(w2, ld2));
+        let xm = Mat::rows(x, d);
+        matmul(rows, n1, d, &mut pre, n1, self.bias[0], xm, w1m.t(), true);
+        let h = match &self.attention {
+            Some(attn) => attn.forward(&pre, &self.pre_shape(shape))?.0,
+            None => {
+                let mut h = uninit::<T>(pre.len())?;
+                gelu_forward_slice(&pre, &mut h);
+                h
+            }
+        };
+        let hm = Mat::rows(&h, mid);
         let mut y = uninit::<T>(rows * out)?;
         let b2 = self.bias[1].then(|| bias(w2, out, ld2));
         match &self.opts.reduce_output {
@@ -163,30 +239,10 @@ impl Mlp {
                         row.copy_from_slice(b2);
                     }
                 }
-                matmul(
-                    rows,
-                    out,
-                    hidden,
-                    &mut y,
-                    out,
-                    b2.is_some(),
-                    Mat::rows(&h, hidden),
-                    w2m.t(),
-                    true,
-                );
+                matmul(rows, out, mid, &mut y, out, b2.is_some(), hm, w2m.t(), true);
             }
             Some(reduce) => {
-                matmul(
-                    rows,
-                    out,
-                    hidden,
-                    &mut y,
-                    out,
-                    false,
-                    Mat::rows(&h, hidden),
-                    w2m.t(),
-                    true,
-                );
+                matmul(rows, out, mid, &mut y, out, false, hm, w2m.t(), true);
                 let t = reduce(&kernel::tensor(y, (rows, out))?)?;
                 y = t.flatten_all()?.to_vec1::<T>()?;
                 if let Some(b2) = &b2 {
@@ -210,7 +266,7 @@ impl Mlp {
         w2: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Tensor, Tensor)> {
-        let (d, hidden, out) = (self.d, self.hidden, self.out);
+        let (d, n1, mid, out) = (self.d, self.n1, self.mid, self.out);
         let (ld1, ld2) = self.lds();
         let Some((pre, h)) = self.saved.get() else {
             bail!("{}: backward before forward", Self::NAME)
@@ -226,54 +282,62 @@ impl Mlp {
             gv.get::<T>()?,
         );
         let rows = xs.len() / d;
-        // d[w2 | b2]: Gᵀ·h into the first `hidden` columns, Σ_rows G into the last.
+        let gm = Mat::rows(g, out);
+        // d[w2 | b2]: Gᵀ·h into the first `mid` columns, Σ_rows G into the last.
         let mut dw2 = uninit::<T>(out * ld2)?;
         matmul(
             out,
-            hidden,
+            mid,
             rows,
             &mut dw2,
             ld2,
             false,
-            Mat::rows(g, out).t(),
-            Mat::rows(h, hidden),
+            gm.t(),
+            Mat::rows(h, mid),
             true,
         );
         if self.bias[1] {
             for (i, v) in column_sums(g, out).into_iter().enumerate() {
-                dw2[i * ld2 + hidden] = v;
+                dw2[i * ld2 + mid] = v;
             }
         }
-        // dh = G·w2, then dpre = gelu′(pre) ⊙ dh.
-        let mut dh = uninit::<T>(rows * hidden)?;
+        // dh = G·w2, then dpre through the middle function.
+        let mut dh = uninit::<T>(rows * mid)?;
         matmul(
             rows,
-            hidden,
+            mid,
             out,
             &mut dh,
-            hidden,
+            mid,
             false,
-            Mat::rows(g, out),
+            gm,
             Mat::rows(w2s, ld2),
             true,
         );
-        let mut dpre = uninit::<T>(dh.len())?;
-        gelu_backward_slice(pre, &dh, &mut dpre);
+        let dpre = match &self.attention {
+            Some(attn) => attn.backward(pre, h, &dh, &self.pre_shape(x.shape()))?,
+            None => {
+                let mut dpre = uninit::<T>(dh.len())?;
+                gelu_backward_slice(pre, &dh, &mut dpre);
+                dpre
+            }
+        };
         drop(dh);
-        let mut dw1 = uninit::<T>(hidden * ld1)?;
+        let dpm = Mat::rows(&dpre, n1);
+        let mut dw1 = uninit::<T>(n1 * ld1)?;
         matmul(
-            hidden,
+            n1,
             d,
             rows,
             &mut dw1,
             ld1,
             false,
-            Mat::rows(&dpre, hidden).t(),
+            dpm.t(),
             Mat::rows(xs, d),
             true,
         );
         if self.bias[0] {
-            for (i, v) in column_sums(&dpre, hidden).into_iter().enumerate() {
+            for (i, v) in column_sums(&dpre, n1).into_iter().enumerate() {
                 dw1[i * ld1 + d] = v;
             }
         }
@@ -283,11 +347,11 @@ impl Mlp {
                 matmul(
                     rows,
                     d,
-                    hidden,
+                    n1,
                     &mut dx,
                     d,
                     false,
-                    Mat::rows(&dpre, hidden),
+                    dpm,
                     Mat::rows(w1s, ld1),
                     true,
                 );
@@ -301,13 +365,13 @@ impl Mlp {
         };
         Ok((
             dx,
-            kernel::tensor(dw1, (hidden, ld1))?,
+            kernel::tensor(dw1, (n1, ld1))?,
             kernel::tensor(dw2, (out, ld2))?,
         ))
     }
 }
 
-impl CustomOp3 for Mlp {
+impl CustomOp3 for Pair {
     fn name(&self) -> &'static str {
         Self::NAME
     }

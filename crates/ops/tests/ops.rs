@@ -8,8 +8,9 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Tensor, Var};
 use common::{assert_close, check, tensor, to_f64, Input, Rng};
 use switchyard_ops::{
-    causal_attention_packed, causal_self_attention, cross_entropy, cross_entropy_parallel, gelu,
-    layer_norm, linear, linear_gelu, linear_with, mlp, LinearOptions, MlpOptions, Reduce,
+    attention_block, causal_attention_packed, causal_self_attention, cross_entropy,
+    cross_entropy_parallel, gelu, layer_norm, linear, linear_gelu, linear_with, mlp, LinearOptions,
+    PairOptions, Reduce,
 };
 
 fn input(name: &'static str, shape: &[usize], seed: u64, scale: f64) -> Input {
@@ -459,55 +460,92 @@ fn linear_hooks_reduce_the_output_and_the_input_gradient() {
     }
 }
 
-/// The attention epilogue is the composition it replaces: `linear` then
-/// `causal_attention_packed`, in value and in the gradients of x, w and b (T = 37 crosses
-/// the causal blocks; 2 heads of 3). A hook on the input gradient still applies.
+/// The fused attention block is the composition it replaces: `linear`, then
+/// `causal_attention_packed`, then `linear`, in value and in the gradients of x and of
+/// both weights and biases (T = 37 crosses the causal blocks; 2 heads of 3), with the
+/// tensor-parallel hooks (a "collective" that doubles) on and off.
 #[test]
-fn linear_with_attention_epilogue_equals_the_two_ops() {
-    let (b, t, d, heads) = (2, 37, 5, 2);
-    let out = 3 * heads * 3;
+fn attention_block_equals_the_three_ops() {
+    let (b, t, d, heads, hd) = (2, 37, 5, 2, 3);
+    let (dl, out) = (heads * hd, 4);
     let vals = [
         Rng::new(40).vec(b * t * d, 1.0),
-        Rng::new(41).vec(out * d, 0.5),
-        Rng::new(42).vec(out, 0.5),
+        Rng::new(41).vec(3 * dl * d, 0.5),
+        Rng::new(42).vec(3 * dl, 0.5),
+        Rng::new(43).vec(out * dl, 0.5),
+        Rng::new(44).vec(out, 0.5),
     ];
-    let g = Rng::new(43).vec(b * t * heads * 3, 1.0);
+    let g = Rng::new(45).vec(b * t * out, 1.0);
     let double: Reduce = Arc::new(|t: &Tensor| t.affine(2.0, 0.0));
     for (dtype, tol) in [(DType::F64, 1e-12), (DType::F32, 1e-5)] {
-        let run = |fused: bool| -> Vec<Vec<f64>> {
-            let shapes: [&[usize]; 3] = [&[b, t, d], &[out, d], &[out]];
-            let vars: Vec<Var> = (0..3)
-                .map(|i| Var::from_tensor(&tensor(&vals[i], shapes[i], dtype)).unwrap())
-                .collect();
-            let [x, w, bias] = [0, 1, 2].map(|i| vars[i].as_tensor());
-            let hook = LinearOptions {
-                reduce_input_grad: Some(double.clone()),
-                ..LinearOptions::default()
+        for hooks in [false, true] {
+            let opts = PairOptions {
+                reduce_output: hooks.then(|| double.clone()),
+                reduce_input_grad: hooks.then(|| double.clone()),
             };
-            let y = match fused {
-                true => {
-                    let opts = LinearOptions {
-                        attention_heads: Some(heads),
-                        ..hook
-                    };
-                    linear_with(x, w, Some(bias), &opts).unwrap()
-                }
-                false => {
-                    let qkv = linear_with(x, w, Some(bias), &hook).unwrap();
-                    causal_attention_packed(&qkv, heads).unwrap()
-                }
+            let run = |fused: bool| -> Vec<Vec<f64>> {
+                let shapes: [&[usize]; 5] =
+                    [&[b, t, d], &[3 * dl, d], &[3 * dl], &[out, dl], &[out]];
+                let vars: Vec<Var> = (0..5)
+                    .map(|i| Var::from_tensor(&tensor(&vals[i], shapes[i], dtype)).unwrap())
+                    .collect();
+                let v: Vec<&Tensor> = vars.iter().map(|v| v.as_tensor()).collect();
+                let y = match fused {
+                    true => attention_block(v[0], v[1], Some(v[2]), v[3], Some(v[4]), heads, &opts)
+                        .unwrap(),
+                    false => {
+                        let first = LinearOptions {
+                            reduce_input_grad: opts.reduce_input_grad.clone(),
+                            ..LinearOptions::default()
+                        };
+                        let second = LinearOptions {
+                            reduce_output: opts.reduce_output.clone(),
+                            ..LinearOptions::default()
+                        };
+                        let qkv = linear_with(v[0], v[1], Some(v[2]), &first).unwrap();
+                        let a = causal_attention_packed(&qkv, heads).unwrap();
+                        linear_with(&a, v[3], Some(v[4]), &second).unwrap()
+                    }
+                };
+                assert_eq!(y.dims(), [b, t, out]);
+                let gt = tensor(&g, &[b, t, out], dtype);
+                let grads = (&y * gt).unwrap().sum_all().unwrap().backward().unwrap();
+                let mut res = vec![to_f64(&y)];
+                res.extend(v.iter().map(|v| to_f64(grads.get(v).unwrap())));
+                res
             };
-            assert_eq!(y.dims(), [b, t, heads * 3]);
-            let gt = tensor(&g, &[b, t, heads * 3], dtype);
-            let grads = (&y * gt).unwrap().sum_all().unwrap().backward().unwrap();
-            let mut out = vec![to_f64(&y)];
-            out.extend([x, w, bias].map(|v| to_f64(grads.get(v).unwrap())));
-            out
-        };
-        let (fused, plain) = (run(true), run(false));
-        for (i, what) in ["value", "dx", "dw", "db"].iter().enumerate() {
-            assert_close(&format!("{what} {dtype:?}"), &fused[i], &plain[i], tol);
+            let (fused, plain) = (run(true), run(false));
+            for (i, what) in ["value", "dx", "dw_qkv", "db_qkv", "dw_proj", "db_proj"]
+                .iter()
+                .enumerate()
+            {
+                assert_close(
+                    &format!("{what} {dtype:?} hooks {hooks}"),
+                    &fused[i],
+                    &plain[i],
+                    tol,
+                );
+            }
         }
+    }
+}
+
+#[test]
+fn attention_block_rejects_bad_heads_and_shapes() {
+    let dev = Device::Cpu;
+    let z = |s: &[usize]| Tensor::zeros(s, DType::F32, &dev).unwrap();
+    let o = PairOptions::default();
+    let (w, p) = (z(&[12, 6]), z(&[6, 4]));
+    // 12 is not 3 × 5 heads; a rank-2 input; a projection of the wrong width.
+    for (x, heads, proj) in [
+        (z(&[1, 4, 6]), 5, &p),
+        (z(&[4, 6]), 2, &p),
+        (z(&[1, 4, 6]), 2, &w),
+    ] {
+        let e = attention_block(&x, &w, None, proj, None, heads, &o)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("attention_block"), "{e}");
     }
 }
 
@@ -529,7 +567,7 @@ fn mlp_equals_the_two_linear_ops() {
     for (dtype, tol) in [(DType::F64, 1e-12), (DType::F32, 1e-5)] {
         for hooks in [false, true] {
             for biases in [true, false] {
-                let opts = MlpOptions {
+                let opts = PairOptions {
                     reduce_output: hooks.then(|| double.clone()),
                     reduce_input_grad: hooks.then(|| double.clone()),
                 };
@@ -586,7 +624,7 @@ fn mlp_equals_the_two_linear_ops() {
 fn mlp_rejects_mismatched_shapes() {
     let dev = Device::Cpu;
     let z = |s: &[usize]| Tensor::zeros(s, DType::F32, &dev).unwrap();
-    let o = MlpOptions::default();
+    let o = PairOptions::default();
     let e = mlp(&z(&[3, 4]), &z(&[8, 4]), None, &z(&[4, 9]), None, &o).unwrap_err();
     assert!(e.to_string().contains("mlp: shapes"), "{e}");
     let e = mlp(
@@ -599,27 +637,6 @@ fn mlp_rejects_mismatched_shapes() {
     )
     .unwrap_err();
     assert!(e.to_string().contains("b1"), "{e}");
-}
-
-#[test]
-fn the_attention_epilogue_rejects_bad_options() {
-    let dev = Device::Cpu;
-    let x = Tensor::zeros((1, 4, 6), DType::F32, &dev).unwrap();
-    let w = Tensor::zeros((12, 6), DType::F32, &dev).unwrap();
-    let with = |heads, gelu| LinearOptions {
-        attention_heads: Some(heads),
-        gelu,
-        ..LinearOptions::default()
-    };
-    // 12 is not 3 × 5 heads; GELU and attention together; a rank-2 input.
-    for (x, opts) in [
-        (&x, with(5, false)),
-        (&x, with(2, true)),
-        (&x.squeeze(0).unwrap(), with(2, false)),
-    ] {
-        let e = linear_with(x, &w, None, &opts).unwrap_err().to_string();
-        assert!(e.contains("attention"), "{e}");
-    }
 }
 
 #[test]

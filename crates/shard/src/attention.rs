@@ -11,9 +11,12 @@ use std::sync::Arc;
 
 use candle_core::{Module, Result, Tensor};
 use switchyard_comm::Communicator;
+use switchyard_ops::{attention_block, PairOptions};
 
 use crate::error::ShardError;
-use crate::linear::{check_group, column_row_pair, ColumnParallelLinear, RowParallelLinear};
+use crate::linear::{
+    all_reduce_hook, check_group, column_row_pair, ColumnParallelLinear, RowParallelLinear,
+};
 use crate::param::{Builder, Init};
 
 /// Initialisation of a transformer sub-layer's parameters.
@@ -104,14 +107,34 @@ impl ParallelSelfAttention {
 
     /// `x` `[B, T, d]` (replicated) to `[B, T, d]` (replicated).
     ///
-    /// Two fused ops: the qkv projection with causal attention straight on its packed
-    /// output (no transposes, no `(B, H, T, T)` tensors, and no qkv tensor between them),
-    /// and the output projection with its all-reduce and bias.
+    /// One fused op ([`switchyard_ops::attention_block`]): the qkv projection, causal
+    /// attention straight on its packed output (no transposes, no `(B, H, T, T)`
+    /// tensors), and the output projection with its bias, `f` on the input gradient and
+    /// `g` on the output. Neither the qkv projection nor the attention output becomes a
+    /// tensor of candle's graph.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         x.dims3()?;
-        // [B, T, 3·d/p] = [q_i | k_i | v_i] inside the op; out comes [B, T, d/p].
-        let y = self.c_attn.forward_attention(x, self.local_heads)?;
-        self.c_proj.forward(&y)
+        let comm = self.c_attn.comm();
+        let hook = (comm.world_size() > 1).then(|| all_reduce_hook(comm));
+        let opts = PairOptions {
+            reduce_output: hook.clone(),
+            reduce_input_grad: hook,
+        };
+        attention_block(
+            x,
+            self.c_attn.weight().as_tensor(),
+            self.c_attn.bias().map(|b| b.as_tensor()),
+            self.c_proj.weight().as_tensor(),
+            self.c_proj.bias().map(|b| b.as_tensor()),
+            self.local_heads,
+            &opts,
+        )
+        .map_err(|e| {
+            e.context(format!(
+                "{} (tensor-parallel attention)",
+                self.c_attn.name()
+            ))
+        })
     }
 
     /// The fused qkv projection.

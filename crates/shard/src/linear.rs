@@ -160,43 +160,21 @@ impl ColumnParallelLinear {
     /// One fused op: the product, the bias and, over a group of several ranks, `f` (the
     /// all-reduce of the input gradient) in its backward pass.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        self.forward_opts(x, false, None)
+        self.forward_opts(x, false)
     }
 
     /// `gelu(forward(x))` (tanh approximation) as one fused op: the first layer of a
     /// tensor-parallel MLP. GELU is element-wise, so it applies to each rank's slice (and
     /// commutes with `gather_output`).
     pub fn forward_gelu(&self, x: &Tensor) -> Result<Tensor> {
-        self.forward_opts(x, true, None)
+        self.forward_opts(x, true)
     }
 
-    /// Causal self-attention over `heads` heads on this rank's slice of a fused q | k | v
-    /// projection (`blocks` = 3, `[B, T, 3·d/p]`, each block `heads` whole heads), in one
-    /// op with the product: `x` `[B, T, in]` to `[B, T, d/p]`. Heads are independent, so
-    /// each rank attends over its own; `f` stays in the backward pass. Not with
-    /// `gather_output`.
-    pub fn forward_attention(&self, x: &Tensor, heads: usize) -> Result<Tensor> {
-        if self.gather_output {
-            return Err(ShardError::Invalid(format!(
-                "{}: the attention epilogue needs the rank's own slice, not gather_output",
-                self.name
-            ))
-            .into());
-        }
-        self.forward_opts(x, false, Some(heads))
-    }
-
-    fn forward_opts(
-        &self,
-        x: &Tensor,
-        gelu: bool,
-        attention_heads: Option<usize>,
-    ) -> Result<Tensor> {
+    fn forward_opts(&self, x: &Tensor, gelu: bool) -> Result<Tensor> {
         let opts = LinearOptions {
             gelu,
             reduce_output: None,
             reduce_input_grad: (self.comm.world_size() > 1).then(|| all_reduce_hook(&self.comm)),
-            attention_heads,
         };
         let y = linear_with(
             x,
@@ -353,7 +331,6 @@ impl RowParallelLinear {
             gelu: false,
             reduce_output: (self.comm.world_size() > 1).then(|| all_reduce_hook(&self.comm)),
             reduce_input_grad: None,
-            attention_heads: None,
         };
         // One fused op: the partial product, `g` (all-reduce forward, identity backward)
         // and the bias, added once after the reduction.

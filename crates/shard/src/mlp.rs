@@ -16,7 +16,7 @@ use crate::linear::{
     all_reduce_hook, check_group, column_row_pair, ColumnParallelLinear, RowParallelLinear,
 };
 use crate::param::Builder;
-use switchyard_ops::{mlp, MlpOptions};
+use switchyard_ops::{mlp, PairOptions};
 
 /// `c_fc` (column, `d → hidden`, bias), GELU (tanh approximation), `c_proj` (row,
 /// `hidden → d`, bias).
@@ -64,7 +64,7 @@ impl ParallelMlp {
         // `g` on the output; the `[.., hidden/p]` activation never leaves it.
         let comm = self.c_fc.comm();
         let hook = (comm.world_size() > 1).then(|| all_reduce_hook(comm));
-        let opts = MlpOptions {
+        let opts = PairOptions {
             reduce_output: hook.clone(),
             reduce_input_grad: hook,
         };
