@@ -191,6 +191,24 @@ impl GptStage {
         &self.params
     }
 
+    /// Fuses each block's weights with their biases once for the step's microbatches
+    /// (see `ParallelMlp::begin_step`); [`GptStage::end_step`] drops them.
+    pub fn begin_step(&self) -> Result<()> {
+        for b in &self.blocks {
+            b.attn.begin_step()?;
+            b.mlp.begin_step()?;
+        }
+        Ok(())
+    }
+
+    /// Drops what [`GptStage::begin_step`] fused: call it before the parameters change.
+    pub fn end_step(&self) {
+        for b in &self.blocks {
+            b.attn.end_step();
+            b.mlp.end_step();
+        }
+    }
+
     /// The mean cross-entropy of this stage's logits slice against `targets` (`[B, T]`
     /// u32), computed without gathering the vocabulary on one rank.
     pub fn loss(&self, logits: &Tensor, targets: &Tensor) -> Result<Tensor> {

@@ -85,7 +85,7 @@ pub use attention::{causal_attention_packed, causal_self_attention};
 pub use gelu::gelu;
 pub use linear::{linear, linear_gelu, linear_with, LinearOptions, Reduce};
 pub use loss::{cross_entropy, cross_entropy_parallel};
-pub use mlp::{attention_block, mlp, PairOptions};
+pub use mlp::{attention_block, attention_block_with, mlp, mlp_with, PairOptions, PairWeights};
 pub use norm::layer_norm;
 
 #[cfg(doc)]

@@ -44,6 +44,51 @@ pub struct PairOptions {
     pub reduce_input_grad: Option<Reduce>,
 }
 
+/// The weights of a column-then-row pair, each fused with its bias as a last column
+/// (`[w | b]`, or `w` alone without a bias): built once, for instance once per training
+/// step, and used by any number of [`mlp_with`] or [`attention_block_with`] calls (one
+/// per microbatch). Gradients flow back to the original weights and biases.
+#[derive(Clone, Debug)]
+pub struct PairWeights {
+    /// `[w1 | b1]` and `[w2 | b2]` (f32 and f64), or `w1` and `w2` (other dtypes).
+    fused: [Tensor; 2],
+    /// The originals, for other dtypes' fallback.
+    w: [Tensor; 2],
+    b: [Option<Tensor>; 2],
+}
+
+impl PairWeights {
+    /// `w1` `[n1, d]`, `b1` `[n1]`, `w2` `[out, m]`, `b2` `[out]` (PyTorch layouts).
+    pub fn new(w1: &Tensor, b1: Option<&Tensor>, w2: &Tensor, b2: Option<&Tensor>) -> Result<Self> {
+        let (n1, _) = w1.dims2()?;
+        let (out, _) = w2.dims2()?;
+        for (b, n, name) in [(b1, n1, "b1"), (b2, out, "b2")] {
+            if let Some(b) = b {
+                if b.dims() != [n] {
+                    bail!(
+                        "pair weights: {name} must have shape [{n}], got {:?}",
+                        b.dims()
+                    );
+                }
+            }
+        }
+        let fuse = |w: &Tensor, b: Option<&Tensor>| match (b, w.dtype()) {
+            (Some(b), DType::F32 | DType::F64) => Tensor::cat(&[w, &b.unsqueeze(1)?], 1),
+            _ => w.contiguous(),
+        };
+        Ok(PairWeights {
+            fused: [fuse(w1, b1)?, fuse(w2, b2)?],
+            w: [w1.clone(), w2.clone()],
+            b: [b1.cloned(), b2.cloned()],
+        })
+    }
+
+    /// `(n1, d)` and `(out, m)`.
+    fn dims(&self) -> Result<[(usize, usize); 2]> {
+        Ok([self.w[0].dims2()?, self.w[1].dims2()?])
+    }
+}
+
 /// `gelu(x · w1ᵀ + b1) · w2ᵀ + b2` for `x` `[.., d]` (rank 2 or 3), `w1` `[hidden, d]`,
 /// `b1` `[hidden]`, `w2` `[out, hidden]`, `b2` `[out]` (PyTorch layouts; GELU is the tanh
 /// approximation of [`crate::gelu`]). Returns `[.., out]`.
@@ -55,9 +100,14 @@ pub fn mlp(
     b2: Option<&Tensor>,
     opts: &PairOptions,
 ) -> Result<Tensor> {
-    let (hidden, _) = w1.dims2()?;
-    check("mlp", x, w1, b1, w2, b2, hidden)?;
-    pair(x, [w1, w2], [b1, b2], None, opts)
+    mlp_with(x, &PairWeights::new(w1, b1, w2, b2)?, opts)
+}
+
+/// [`mlp`] with weights fused beforehand.
+pub fn mlp_with(x: &Tensor, w: &PairWeights, opts: &PairOptions) -> Result<Tensor> {
+    let [(hidden, _), _] = w.dims()?;
+    check("mlp", x, w, hidden)?;
+    pair(x, w, None, opts)
 }
 
 /// `attention(x · w_qkvᵀ + b_qkv) · w_projᵀ + b_proj`: causal self-attention over
@@ -73,64 +123,46 @@ pub fn attention_block(
     n_head: usize,
     opts: &PairOptions,
 ) -> Result<Tensor> {
-    let (three_dl, _) = w_qkv.dims2()?;
+    let w = PairWeights::new(w_qkv, b_qkv, w_proj, b_proj)?;
+    attention_block_with(x, &w, n_head, opts)
+}
+
+/// [`attention_block`] with weights fused beforehand.
+pub fn attention_block_with(
+    x: &Tensor,
+    w: &PairWeights,
+    n_head: usize,
+    opts: &PairOptions,
+) -> Result<Tensor> {
+    let [(three_dl, _), _] = w.dims()?;
     if x.rank() != 3 || n_head == 0 || !three_dl.is_multiple_of(3 * n_head) {
         bail!(
             "attention_block: x must be [B, T, d] and the qkv width ({three_dl}) a multiple of 3 × n_head ({n_head}); got x {:?}",
             x.dims()
         );
     }
-    check(
-        "attention_block",
-        x,
-        w_qkv,
-        b_qkv,
-        w_proj,
-        b_proj,
-        three_dl / 3,
-    )?;
-    pair(x, [w_qkv, w_proj], [b_qkv, b_proj], Some(n_head), opts)
+    check("attention_block", x, w, three_dl / 3)?;
+    pair(x, w, Some(n_head), opts)
 }
 
-/// Shapes: `x` `[.., d]`, `w1` `[n1, d]`, `w2` `[out, mid]`, biases `[n1]` and `[out]`.
-fn check(
-    what: &str,
-    x: &Tensor,
-    w1: &Tensor,
-    b1: Option<&Tensor>,
-    w2: &Tensor,
-    b2: Option<&Tensor>,
-    mid: usize,
-) -> Result<()> {
-    let (n1, d) = w1.dims2()?;
-    let (out, m) = w2.dims2()?;
+/// Shapes: `x` `[.., d]` for `w1` `[n1, d]`, and `w2` `[out, mid]`.
+fn check(what: &str, x: &Tensor, w: &PairWeights, mid: usize) -> Result<()> {
+    let [(_, d), (_, m)] = w.dims()?;
     if m != mid || !(2..=3).contains(&x.rank()) || x.dim(D::Minus1)? != d {
         bail!(
             "{what}: shapes must be x [.., d], w1 [n, d], w2 [out, {mid}]; got x {:?}, w1 {:?}, w2 {:?}",
             x.dims(),
-            w1.dims(),
-            w2.dims()
+            w.w[0].dims(),
+            w.w[1].dims()
         );
-    }
-    for (b, n, name) in [(b1, n1, "b1"), (b2, out, "b2")] {
-        if let Some(b) = b {
-            if b.dims() != [n] {
-                bail!("{what}: {name} must have shape [{n}], got {:?}", b.dims());
-            }
-        }
     }
     Ok(())
 }
 
 /// The fused pair, or for dtypes other than f32 and f64 its three ops.
-fn pair(
-    x: &Tensor,
-    [w1, w2]: [&Tensor; 2],
-    [b1, b2]: [Option<&Tensor>; 2],
-    heads: Option<usize>,
-    opts: &PairOptions,
-) -> Result<Tensor> {
-    if !matches!(x.dtype(), DType::F32 | DType::F64) {
+fn pair(x: &Tensor, w: &PairWeights, heads: Option<usize>, opts: &PairOptions) -> Result<Tensor> {
+    let [(n1, d), (out, mid)] = w.dims()?;
+    if !matches!(x.dtype(), DType::F32 | DType::F64) || w.fused[0].dtype() != x.dtype() {
         let first = LinearOptions {
             gelu: heads.is_none(),
             reduce_input_grad: opts.reduce_input_grad.clone(),
@@ -140,28 +172,23 @@ fn pair(
             reduce_output: opts.reduce_output.clone(),
             ..LinearOptions::default()
         };
-        let mut h = crate::linear_with(x, w1, b1, &first)?;
+        let mut h = crate::linear_with(x, &w.w[0], w.b[0].as_ref(), &first)?;
         if let Some(n) = heads {
             h = crate::causal_attention_packed(&h, n)?;
         }
-        return crate::linear_with(&h, w2, b2, &second);
+        return crate::linear_with(&h, &w.w[1], w.b[1].as_ref(), &second);
     }
-    let with_bias = |w: &Tensor, b: Option<&Tensor>| match b {
-        Some(b) => Tensor::cat(&[w, &b.unsqueeze(1)?], 1),
-        None => w.contiguous(),
-    };
     let op = Pair {
         opts: opts.clone(),
-        d: w1.dim(1)?,
-        n1: w1.dim(0)?,
-        mid: w2.dim(1)?,
-        out: w2.dim(0)?,
-        bias: [b1.is_some(), b2.is_some()],
+        d,
+        n1,
+        mid,
+        out,
+        bias: [w.b[0].is_some(), w.b[1].is_some()],
         attention: heads.map(AttentionEpilogue::new),
         saved: OnceLock::new(),
     };
-    x.contiguous()?
-        .apply_op3(&with_bias(w1, b1)?, &with_bias(w2, b2)?, op)
+    x.contiguous()?.apply_op3(&w.fused[0], &w.fused[1], op)
 }
 
 struct Pair {

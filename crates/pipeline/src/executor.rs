@@ -182,6 +182,23 @@ impl<'a> Executor<'a> {
 
     /// Runs this rank's actions for one step.
     pub fn run(&self, mb: &Microbatches) -> Result<StepOutput> {
+        // Every stage hears begin_step before the first action and end_step after the
+        // last, whatever happens in between.
+        struct EndStep<'a>(Vec<&'a dyn Stage>);
+        impl Drop for EndStep<'_> {
+            fn drop(&mut self) {
+                self.0.iter().for_each(|s| s.end_step());
+            }
+        }
+        let mut begun = EndStep(Vec::new());
+        for st in self.stages.values() {
+            begun.0.push(*st);
+            st.begin_step()?;
+        }
+        self.run_program(mb)
+    }
+
+    fn run_program(&self, mb: &Microbatches) -> Result<StepOutput> {
         let r = self.rank;
         let start = Instant::now();
         let mut stash: HashMap<(u32, u32), Stashed> = HashMap::new();

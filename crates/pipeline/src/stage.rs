@@ -12,6 +12,16 @@ pub trait Stage: Send + Sync {
     fn forward(&self, x: &Tensor) -> Result<Tensor>;
     /// The parameters to collect gradients for.
     fn params(&self) -> &[Var];
+    /// Called by [`crate::Executor::run`] before a step's first action. A stage may
+    /// derive tensors from its parameters here once for all of the step's microbatches
+    /// (e.g. weights fused with their biases), instead of once per microbatch.
+    fn begin_step(&self) -> Result<()> {
+        Ok(())
+    }
+    /// Called by [`crate::Executor::run`] after a step's last action, also when the step
+    /// fails: drop whatever `begin_step` derived, so that nothing stale outlives the
+    /// parameters' next update.
+    fn end_step(&self) {}
 }
 
 /// Any candle [`Module`] (or closure) with its parameters, as a [`Stage`].

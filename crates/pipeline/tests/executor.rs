@@ -186,3 +186,63 @@ fn one_f_one_b_peak_activations_are_measured_and_match_the_simulator() {
     let outs = run(&generate(ScheduleKind::GPipe, p, m).unwrap());
     assert!(outs.iter().all(|(_, _, peak)| *peak == m));
 }
+
+/// A stage that counts the step hooks and can fail its forward pass.
+struct Hooked {
+    params: Vec<Var>,
+    fail: bool,
+    begun: std::sync::atomic::AtomicUsize,
+    ended: std::sync::atomic::AtomicUsize,
+}
+
+impl Stage for Hooked {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        use std::sync::atomic::Ordering::SeqCst;
+        assert_eq!(self.begun.load(SeqCst), 1, "forward before begin_step");
+        assert_eq!(self.ended.load(SeqCst), 0, "forward after end_step");
+        if self.fail {
+            candle_core::bail!("this stage fails");
+        }
+        x.matmul(self.params[0].as_tensor())?.tanh()
+    }
+    fn params(&self) -> &[Var] {
+        &self.params
+    }
+    fn begin_step(&self) -> Result<()> {
+        self.begun.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Ok(())
+    }
+    fn end_step(&self) {
+        self.ended.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+#[test]
+fn the_step_hooks_bracket_every_step_even_a_failed_one() {
+    use std::sync::atomic::Ordering::SeqCst;
+    let program = generate(ScheduleKind::OneFOneB, 1, 3).unwrap();
+    for fail in [false, true] {
+        let st = Hooked {
+            params: vec![Var::from_tensor(&weight(0).unwrap()).unwrap()],
+            fail,
+            begun: Default::default(),
+            ended: Default::default(),
+        };
+        local::launch(1, |comm| {
+            let exec = Executor::new(&program, &*comm, vec![(0, &st as &dyn Stage)])?;
+            let out = exec.run(&Microbatches {
+                inputs: (0..3).map(input).collect::<Result<Vec<_>>>()?,
+                loss: &loss,
+                loss_scale: 1.0 / 3.0,
+            });
+            assert_eq!(out.is_err(), fail, "{:?}", out.err());
+            Ok::<_, candle_core::Error>(())
+        })
+        .unwrap();
+        assert_eq!(
+            (st.begun.load(SeqCst), st.ended.load(SeqCst)),
+            (1, 1),
+            "fail {fail}"
+        );
+    }
+}

@@ -11,11 +11,12 @@ use std::sync::Arc;
 
 use candle_core::{Module, Result, Tensor};
 use switchyard_comm::Communicator;
-use switchyard_ops::{attention_block, PairOptions};
+use switchyard_ops::{attention_block_with, PairOptions, PairWeights};
 
 use crate::error::ShardError;
 use crate::linear::{
     all_reduce_hook, check_group, column_row_pair, ColumnParallelLinear, RowParallelLinear,
+    StepCache,
 };
 use crate::param::{Builder, Init};
 
@@ -53,6 +54,9 @@ pub struct ParallelSelfAttention {
     n_head: usize,
     local_heads: usize,
     head_dim: usize,
+    /// The weights fused with their biases between [`ParallelSelfAttention::begin_step`]
+    /// and [`ParallelSelfAttention::end_step`].
+    fused: StepCache,
 }
 
 impl ParallelSelfAttention {
@@ -102,6 +106,7 @@ impl ParallelSelfAttention {
             n_head,
             local_heads: n_head / n,
             head_dim: d_model / n_head,
+            fused: StepCache::default(),
         })
     }
 
@@ -120,21 +125,36 @@ impl ParallelSelfAttention {
             reduce_output: hook.clone(),
             reduce_input_grad: hook,
         };
-        attention_block(
-            x,
-            self.c_attn.weight().as_tensor(),
-            self.c_attn.bias().map(|b| b.as_tensor()),
-            self.c_proj.weight().as_tensor(),
-            self.c_proj.bias().map(|b| b.as_tensor()),
-            self.local_heads,
-            &opts,
-        )
-        .map_err(|e| {
+        let w = self.fused.get_or(|| self.weights())?;
+        attention_block_with(x, &w, self.local_heads, &opts).map_err(|e| {
             e.context(format!(
                 "{} (tensor-parallel attention)",
                 self.c_attn.name()
             ))
         })
+    }
+
+    /// Fuses the weights with their biases once for every forward pass until
+    /// [`ParallelSelfAttention::end_step`] (a pipeline step's microbatches), instead of
+    /// once per forward pass.
+    pub fn begin_step(&self) -> Result<()> {
+        self.fused.set(self.weights()?);
+        Ok(())
+    }
+
+    /// Drops what [`ParallelSelfAttention::begin_step`] fused: call it before the
+    /// parameters change.
+    pub fn end_step(&self) {
+        self.fused.clear();
+    }
+
+    fn weights(&self) -> Result<PairWeights> {
+        PairWeights::new(
+            self.c_attn.weight().as_tensor(),
+            self.c_attn.bias().map(|b| b.as_tensor()),
+            self.c_proj.weight().as_tensor(),
+            self.c_proj.bias().map(|b| b.as_tensor()),
+        )
     }
 
     /// The fused qkv projection.

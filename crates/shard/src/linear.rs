@@ -34,6 +34,35 @@ pub(crate) fn all_reduce_hook(comm: &Arc<dyn Communicator>) -> Reduce {
     Arc::new(move |t: &Tensor| Ok(comm.all_reduce(t, ReduceOp::Sum)?))
 }
 
+/// Weights fused with their biases for the duration of one step (see
+/// `ParallelMlp::begin_step`): empty outside a step, so nothing derived from the
+/// parameters survives their update.
+#[derive(Default)]
+pub(crate) struct StepCache(std::sync::Mutex<Option<switchyard_ops::PairWeights>>);
+
+impl StepCache {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Option<switchyard_ops::PairWeights>> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+    pub(crate) fn set(&self, w: switchyard_ops::PairWeights) {
+        *self.lock() = Some(w);
+    }
+    pub(crate) fn clear(&self) {
+        *self.lock() = None;
+    }
+    /// The cached weights, or `make()` outside a step.
+    pub(crate) fn get_or(
+        &self,
+        make: impl FnOnce() -> Result<switchyard_ops::PairWeights>,
+    ) -> Result<switchyard_ops::PairWeights> {
+        let cached = self.lock().clone();
+        match cached {
+            Some(w) => Ok(w),
+            None => make(),
+        }
+    }
+}
+
 /// Checks that `comm` is the tensor-parallel group the builder's store was made for.
 pub(crate) fn check_group(layer: &str, vb: &Builder, comm: &dyn Communicator) -> Result<()> {
     if comm.world_size() != vb.tp_size() || comm.rank() != vb.tp_rank() {

@@ -16,7 +16,9 @@ use crate::linear::{
     all_reduce_hook, check_group, column_row_pair, ColumnParallelLinear, RowParallelLinear,
 };
 use crate::param::Builder;
-use switchyard_ops::{mlp, PairOptions};
+use switchyard_ops::{mlp_with, PairOptions, PairWeights};
+
+use crate::linear::StepCache;
 
 /// `c_fc` (column, `d → hidden`, bias), GELU (tanh approximation), `c_proj` (row,
 /// `hidden → d`, bias).
@@ -28,6 +30,9 @@ use switchyard_ops::{mlp, PairOptions};
 pub struct ParallelMlp {
     c_fc: ColumnParallelLinear,
     c_proj: RowParallelLinear,
+    /// The weights fused with their biases between [`ParallelMlp::begin_step`] and
+    /// [`ParallelMlp::end_step`].
+    fused: StepCache,
 }
 
 impl ParallelMlp {
@@ -55,7 +60,11 @@ impl ParallelMlp {
         }
         let (c_fc, c_proj) =
             column_row_pair(&vb, comm, "c_fc", d_model, (hidden, 1, hidden), init)?;
-        Ok(ParallelMlp { c_fc, c_proj })
+        Ok(ParallelMlp {
+            c_fc,
+            c_proj,
+            fused: StepCache::default(),
+        })
     }
 
     /// `x` `[.., d]` (replicated) to `[.., d]` (replicated).
@@ -68,18 +77,34 @@ impl ParallelMlp {
             reduce_output: hook.clone(),
             reduce_input_grad: hook,
         };
-        mlp(
-            x,
+        let w = self.fused.get_or(|| self.weights())?;
+        mlp_with(x, &w, &opts)
+            .map_err(|e| e.context(format!("{} (tensor-parallel MLP)", self.c_fc.name())))
+    }
+
+    /// The input projection.
+    /// Fuses the weights with their biases once for every forward pass until
+    /// [`ParallelMlp::end_step`] (a pipeline step's microbatches), instead of once per
+    /// forward pass.
+    pub fn begin_step(&self) -> Result<()> {
+        self.fused.set(self.weights()?);
+        Ok(())
+    }
+
+    /// Drops what [`ParallelMlp::begin_step`] fused: call it before the parameters change.
+    pub fn end_step(&self) {
+        self.fused.clear();
+    }
+
+    fn weights(&self) -> Result<PairWeights> {
+        PairWeights::new(
             self.c_fc.weight().as_tensor(),
             self.c_fc.bias().map(|b| b.as_tensor()),
             self.c_proj.weight().as_tensor(),
             self.c_proj.bias().map(|b| b.as_tensor()),
-            &opts,
         )
-        .map_err(|e| e.context(format!("{} (tensor-parallel MLP)", self.c_fc.name())))
     }
 
-    /// The input projection.
     pub fn c_fc(&self) -> &ColumnParallelLinear {
         &self.c_fc
     }

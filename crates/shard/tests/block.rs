@@ -8,11 +8,11 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Result, Tensor, Var};
 use common::*;
-use switchyard_comm::{Communicator, Counting};
+use switchyard_comm::{local, Communicator, Counting};
 use switchyard_ops::layer_norm;
 use switchyard_shard::{
     vocab_parallel_cross_entropy, Builder, Init, LayerInit, ParallelMlp, ParallelSelfAttention,
-    ShardSpec, VocabParallelEmbedding,
+    ParamSource, ParamStore, ShardSpec, VocabParallelEmbedding,
 };
 
 const D: usize = 32;
@@ -284,4 +284,48 @@ fn tiny_gpt_with_tied_head_matches_single_device() {
             }
         }
     }
+}
+
+/// `begin_step` fuses the weights once: forward passes until `end_step` use them; after
+/// `end_step`, a forward pass sees the parameters as they are now (an optimizer's
+/// in-place update), and so does the next step's `begin_step`.
+#[test]
+fn fused_weights_live_for_one_step_only() {
+    local::launch(1, |tp| -> Result<()> {
+        let store = ParamStore::for_group(tp.as_ref(), DType::F32, ParamSource::Init { seed: 3 })?;
+        let vb = store.builder().pp("h.0");
+        let mlp = ParallelMlp::new(&vb, tp.clone(), D, 4 * D, init())?;
+        let attn = ParallelSelfAttention::new(&vb, tp.clone(), D, HEADS, init())?;
+        let x = Tensor::randn(0f32, 1.0, (B, T, D), &Device::Cpu)?;
+        let sum = |t: Tensor| t.sum_all()?.to_scalar::<f32>();
+        let before = (sum(mlp.forward(&x)?)?, sum(attn.forward(&x)?)?);
+        mlp.begin_step()?;
+        attn.begin_step()?;
+        assert_eq!((sum(mlp.forward(&x)?)?, sum(attn.forward(&x)?)?), before);
+        // Update every bias in place, as an optimizer does, inside the step: the cached
+        // weights still hold the old ones.
+        for name in ["h.0.mlp.c_proj.bias", "h.0.attn.c_proj.bias"] {
+            let v = &store.get(name).unwrap().var;
+            v.set(&(v.as_tensor() + 1.0)?)?;
+        }
+        assert_eq!((sum(mlp.forward(&x)?)?, sum(attn.forward(&x)?)?), before);
+        mlp.end_step();
+        attn.end_step();
+        let after = (sum(mlp.forward(&x)?)?, sum(attn.forward(&x)?)?);
+        // Each output element grew by 1: B·T·D more in the sum.
+        let grown = (B * T * D) as f32;
+        assert!(
+            (after.0 - before.0 - grown).abs() < 1e-2,
+            "{after:?} vs {before:?}"
+        );
+        assert!(
+            (after.1 - before.1 - grown).abs() < 1e-2,
+            "{after:?} vs {before:?}"
+        );
+        mlp.begin_step()?;
+        assert_eq!(sum(mlp.forward(&x)?)?, after.0);
+        mlp.end_step();
+        Ok(())
+    })
+    .unwrap();
 }

@@ -42,6 +42,12 @@ impl Stage for PipelineStage<'_> {
     fn params(&self) -> &[Var] {
         self.params
     }
+    fn begin_step(&self) -> Result<()> {
+        self.gpt.begin_step()
+    }
+    fn end_step(&self) {
+        self.gpt.end_step()
+    }
 }
 
 /// What one step measured.
