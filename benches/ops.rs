@@ -7,6 +7,8 @@
 //!   as FLOP/s.
 //! * `attention`: the packed causal attention (FLOPs of the causal half, 4·T²·hd/2 per
 //!   head forward, as the model count).
+//! * `block`: the MLP and the attention half of a block, each one fused op as the models
+//!   run them (`ops::mlp`, `ops::attention_block`), in FLOPs.
 //! * `layer_norm`, `cross_entropy` (`[4096, 256]` logits), `gelu`: elements/s.
 //!
 //! Run: `cargo bench --bench ops` (add `-- attention` to filter). `docs/PERFORMANCE.md`
@@ -88,6 +90,53 @@ fn attention(c: &mut Criterion) {
     g.finish();
 }
 
+/// The two halves of a transformer block as one op each ([`ops::mlp`] and
+/// [`ops::attention_block`], the way the models run them): the products' FLOPs plus the
+/// attention's causal half.
+fn block(c: &mut Criterion) {
+    let mut g = c.benchmark_group("block");
+    g.sample_size(10);
+    let x = var(&[TOKENS / T, T, D], 1.0);
+    let (w1, b1) = (var(&[4 * D, D], 0.02), var(&[4 * D], 0.02));
+    let (w2, b2) = (var(&[D, 4 * D], 0.02), var(&[D], 0.02));
+    let (wq, bq) = (var(&[3 * D, D], 0.02), var(&[3 * D], 0.02));
+    let (wp, bp) = (var(&[D, D], 0.02), var(&[D], 0.02));
+    let opts = ops::PairOptions::default();
+    let mlp = || {
+        let (w1, b1, w2, b2) = (
+            w1.as_tensor(),
+            b1.as_tensor(),
+            w2.as_tensor(),
+            b2.as_tensor(),
+        );
+        ops::mlp(x.as_tensor(), w1, Some(b1), w2, Some(b2), &opts).unwrap()
+    };
+    let attn = || {
+        let (wq, bq, wp, bp) = (
+            wq.as_tensor(),
+            bq.as_tensor(),
+            wp.as_tensor(),
+            bp.as_tensor(),
+        );
+        ops::attention_block(x.as_tensor(), wq, Some(bq), wp, Some(bp), HEADS, &opts).unwrap()
+    };
+    let hd = D / HEADS;
+    let mlp_flops = 2 * TOKENS * 2 * D * 4 * D;
+    let attn_flops = 2 * TOKENS * 4 * D * D + (TOKENS / T) * HEADS * 2 * T * T * hd;
+    for (name, flops, f) in [
+        ("mlp", mlp_flops, &mlp as &(dyn Fn() -> Tensor + Sync)),
+        ("attention", attn_flops, &attn),
+    ] {
+        g.throughput(Throughput::Elements(flops as u64));
+        g.bench_function(format!("{name} forward"), |bch| bch.iter(|| one_thread(f)));
+        g.throughput(Throughput::Elements(3 * flops as u64));
+        g.bench_function(format!("{name} forward+backward"), |bch| {
+            bch.iter(|| one_thread(|| f().sum_all().unwrap().backward().unwrap()))
+        });
+    }
+    g.finish();
+}
+
 fn elementwise(c: &mut Criterion) {
     let mut g = c.benchmark_group("rows");
     g.sample_size(20);
@@ -131,7 +180,7 @@ fn elementwise(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, matmul, attention, elementwise);
+criterion_group!(benches, matmul, attention, block, elementwise);
 
 /// mimalloc reads `MIMALLOC_PURGE_DELAY` when the process starts; `-1` keeps freed memory
 /// in the process, as `switchyard bench` does, so the timings include no page faults of
