@@ -11,12 +11,11 @@ use std::sync::Arc;
 
 use candle_core::{Module, Result, Tensor};
 use switchyard_comm::Communicator;
-use switchyard_ops::{attention_block_with, PairOptions, PairWeights};
+use switchyard_ops::attention_block_with;
 
 use crate::error::ShardError;
 use crate::linear::{
-    all_reduce_hook, check_group, column_row_pair, ColumnParallelLinear, RowParallelLinear,
-    StepCache,
+    check_group, column_row_pair, pair_options, ColumnParallelLinear, RowParallelLinear, StepCache,
 };
 use crate::param::{Builder, Init};
 
@@ -119,13 +118,8 @@ impl ParallelSelfAttention {
     /// tensor of candle's graph.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         x.dims3()?;
-        let comm = self.c_attn.comm();
-        let hook = (comm.world_size() > 1).then(|| all_reduce_hook(comm));
-        let opts = PairOptions {
-            reduce_output: hook.clone(),
-            reduce_input_grad: hook,
-        };
-        let w = self.fused.get_or(|| self.weights())?;
+        let opts = pair_options(self.c_attn.comm());
+        let w = self.fused.weights(&self.c_attn, &self.c_proj)?;
         attention_block_with(x, &w, self.local_heads, &opts).map_err(|e| {
             e.context(format!(
                 "{} (tensor-parallel attention)",
@@ -138,23 +132,13 @@ impl ParallelSelfAttention {
     /// [`ParallelSelfAttention::end_step`] (a pipeline step's microbatches), instead of
     /// once per forward pass.
     pub fn begin_step(&self) -> Result<()> {
-        self.fused.set(self.weights()?);
-        Ok(())
+        self.fused.begin(&self.c_attn, &self.c_proj)
     }
 
     /// Drops what [`ParallelSelfAttention::begin_step`] fused: call it before the
     /// parameters change.
     pub fn end_step(&self) {
-        self.fused.clear();
-    }
-
-    fn weights(&self) -> Result<PairWeights> {
-        PairWeights::new(
-            self.c_attn.weight().as_tensor(),
-            self.c_attn.bias().map(|b| b.as_tensor()),
-            self.c_proj.weight().as_tensor(),
-            self.c_proj.bias().map(|b| b.as_tensor()),
-        )
+        self.fused.end();
     }
 
     /// The fused qkv projection.

@@ -21,7 +21,7 @@ use std::sync::Arc;
 
 use candle_core::{Module, Result, Tensor, Var};
 use switchyard_comm::{Communicator, ReduceOp};
-use switchyard_ops::{linear_with, LinearOptions, Reduce};
+use switchyard_ops::{linear_with, LinearOptions, PairOptions, PairWeights, Reduce};
 
 use crate::collectives::{gather_from_region, scatter_to_region};
 use crate::error::ShardError;
@@ -34,32 +34,56 @@ pub(crate) fn all_reduce_hook(comm: &Arc<dyn Communicator>) -> Reduce {
     Arc::new(move |t: &Tensor| Ok(comm.all_reduce(t, ReduceOp::Sum)?))
 }
 
-/// Weights fused with their biases for the duration of one step (see
+/// The weights of a column-then-row pair fused with their biases
+/// ([`switchyard_ops::PairWeights`]) for the duration of one step (see
 /// `ParallelMlp::begin_step`): empty outside a step, so nothing derived from the
 /// parameters survives their update.
 #[derive(Default)]
-pub(crate) struct StepCache(std::sync::Mutex<Option<switchyard_ops::PairWeights>>);
+pub(crate) struct StepCache(std::sync::Mutex<Option<PairWeights>>);
 
 impl StepCache {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Option<switchyard_ops::PairWeights>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Option<PairWeights>> {
         self.0.lock().unwrap_or_else(|e| e.into_inner())
     }
-    pub(crate) fn set(&self, w: switchyard_ops::PairWeights) {
-        *self.lock() = Some(w);
+    /// Fuses `col`'s and `row`'s weights for every call of [`StepCache::weights`] until
+    /// [`StepCache::end`].
+    pub(crate) fn begin(&self, col: &ColumnParallelLinear, row: &RowParallelLinear) -> Result<()> {
+        *self.lock() = Some(pair_weights(col, row)?);
+        Ok(())
     }
-    pub(crate) fn clear(&self) {
+    pub(crate) fn end(&self) {
         *self.lock() = None;
     }
-    /// The cached weights, or `make()` outside a step.
-    pub(crate) fn get_or(
+    /// The weights fused at [`StepCache::begin`], or fused now outside a step.
+    pub(crate) fn weights(
         &self,
-        make: impl FnOnce() -> Result<switchyard_ops::PairWeights>,
-    ) -> Result<switchyard_ops::PairWeights> {
+        col: &ColumnParallelLinear,
+        row: &RowParallelLinear,
+    ) -> Result<PairWeights> {
         let cached = self.lock().clone();
         match cached {
             Some(w) => Ok(w),
-            None => make(),
+            None => pair_weights(col, row),
         }
+    }
+}
+
+fn pair_weights(col: &ColumnParallelLinear, row: &RowParallelLinear) -> Result<PairWeights> {
+    PairWeights::new(
+        col.weight().as_tensor(),
+        col.bias().map(|b| b.as_tensor()),
+        row.weight().as_tensor(),
+        row.bias().map(|b| b.as_tensor()),
+    )
+}
+
+/// The collectives of a column-then-row pair fused into one op: `f` (all-reduce of the
+/// input gradient) and `g` (all-reduce of the output); none on a group of one.
+pub(crate) fn pair_options(comm: &Arc<dyn Communicator>) -> PairOptions {
+    let hook = (comm.world_size() > 1).then(|| all_reduce_hook(comm));
+    PairOptions {
+        reduce_output: hook.clone(),
+        reduce_input_grad: hook,
     }
 }
 

@@ -9,16 +9,14 @@ use std::sync::Arc;
 
 use candle_core::{Module, Result, Tensor};
 use switchyard_comm::Communicator;
+use switchyard_ops::mlp_with;
 
 use crate::attention::LayerInit;
 use crate::error::ShardError;
 use crate::linear::{
-    all_reduce_hook, check_group, column_row_pair, ColumnParallelLinear, RowParallelLinear,
+    check_group, column_row_pair, pair_options, ColumnParallelLinear, RowParallelLinear, StepCache,
 };
 use crate::param::Builder;
-use switchyard_ops::{mlp_with, PairOptions, PairWeights};
-
-use crate::linear::StepCache;
 
 /// `c_fc` (column, `d → hidden`, bias), GELU (tanh approximation), `c_proj` (row,
 /// `hidden → d`, bias).
@@ -71,40 +69,25 @@ impl ParallelMlp {
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         // One fused op: both products, GELU, both biases, `f` on the input gradient and
         // `g` on the output; the `[.., hidden/p]` activation never leaves it.
-        let comm = self.c_fc.comm();
-        let hook = (comm.world_size() > 1).then(|| all_reduce_hook(comm));
-        let opts = PairOptions {
-            reduce_output: hook.clone(),
-            reduce_input_grad: hook,
-        };
-        let w = self.fused.get_or(|| self.weights())?;
+        let opts = pair_options(self.c_fc.comm());
+        let w = self.fused.weights(&self.c_fc, &self.c_proj)?;
         mlp_with(x, &w, &opts)
             .map_err(|e| e.context(format!("{} (tensor-parallel MLP)", self.c_fc.name())))
     }
 
-    /// The input projection.
     /// Fuses the weights with their biases once for every forward pass until
     /// [`ParallelMlp::end_step`] (a pipeline step's microbatches), instead of once per
     /// forward pass.
     pub fn begin_step(&self) -> Result<()> {
-        self.fused.set(self.weights()?);
-        Ok(())
+        self.fused.begin(&self.c_fc, &self.c_proj)
     }
 
     /// Drops what [`ParallelMlp::begin_step`] fused: call it before the parameters change.
     pub fn end_step(&self) {
-        self.fused.clear();
+        self.fused.end();
     }
 
-    fn weights(&self) -> Result<PairWeights> {
-        PairWeights::new(
-            self.c_fc.weight().as_tensor(),
-            self.c_fc.bias().map(|b| b.as_tensor()),
-            self.c_proj.weight().as_tensor(),
-            self.c_proj.bias().map(|b| b.as_tensor()),
-        )
-    }
-
+    /// The input projection.
     pub fn c_fc(&self) -> &ColumnParallelLinear {
         &self.c_fc
     }
