@@ -125,7 +125,7 @@ struct Linear {
 
 simd! {
     /// Adds `b` to every `b.len()`-wide row of `y`.
-    pub(crate) fn add_rows<T>(y: &mut [T], b: &[T]) {
+    fn add_rows<T>(y: &mut [T], b: &[T]) {
         for row in y.chunks_exact_mut(b.len()) {
             for (v, &c) in row.iter_mut().zip(b) {
                 *v += c;
@@ -166,6 +166,93 @@ pub(crate) fn column_sums<T: Float>(g: &[T], width: usize) -> Vec<T> {
     total
 }
 
+/// `y = x · wᵀ + b` on raw rows, the forward pass of every affine map here: `x` is
+/// `[rows, in]`, `w` `[out, in]` with row stride `ldw` (≥ in; [`crate::mlp`] keeps the
+/// bias in column `in`). Without `reduce` the bias is placed first and the product
+/// accumulates onto it; with it (a row-parallel `g`), the partial product is reduced
+/// and the bias added after.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn affine_forward<T: Float>(
+    x: &[T],
+    in_f: usize,
+    w: &[T],
+    ldw: usize,
+    b: Option<&[T]>,
+    out: usize,
+    reduce: Option<&Reduce>,
+) -> Result<Vec<T>> {
+    let rows = x.len() / in_f.max(1);
+    let mut y = uninit::<T>(rows * out)?;
+    let bias_first = b.is_some() && reduce.is_none();
+    if let (true, Some(b)) = (bias_first, b) {
+        for row in y.chunks_exact_mut(out) {
+            row.copy_from_slice(b);
+        }
+    }
+    let (xm, wm) = (Mat::rows(x, in_f), Mat::rows(w, ldw));
+    matmul(rows, out, in_f, &mut y, out, bias_first, xm, wm.t(), true);
+    if let Some(reduce) = reduce {
+        let t = reduce(&kernel::tensor(y, (rows, out))?)?;
+        y = t.flatten_all()?.to_vec1::<T>()?;
+        if let Some(b) = b {
+            add_rows(&mut y, b);
+        }
+    }
+    Ok(y)
+}
+
+/// The input gradient of [`affine_forward`]: `dx = G · w` (`G` `[rows, out]`, `w` as
+/// there), `[rows, in]`.
+pub(crate) fn affine_input_grad<T: Float>(
+    g: &[T],
+    w: &[T],
+    ldw: usize,
+    in_f: usize,
+    out: usize,
+) -> Result<Vec<T>> {
+    let rows = g.len() / out.max(1);
+    let mut dx = uninit::<T>(rows * in_f)?;
+    let (gm, wm) = (Mat::rows(g, out), Mat::rows(w, ldw));
+    matmul(rows, in_f, out, &mut dx, in_f, false, gm, wm, true);
+    Ok(dx)
+}
+
+/// `v` as a tensor of `shape`, reduced by `reduce` when given (a column-parallel `f` on
+/// an input gradient).
+pub(crate) fn reduced<T: Float>(
+    v: Vec<T>,
+    shape: &Shape,
+    reduce: Option<&Reduce>,
+) -> Result<Tensor> {
+    let t = kernel::tensor(v, shape.clone())?;
+    match reduce {
+        Some(reduce) => reduce(&t),
+        None => Ok(t),
+    }
+}
+
+/// The weight gradient of [`affine_forward`] as `[out, ld]` rows: `Gᵀ · x` in the first
+/// `in` columns and, with `bias_column` (`ld = in + 1`), `Σ_rows G` in the last.
+pub(crate) fn affine_weight_grad<T: Float>(
+    g: &[T],
+    x: &[T],
+    in_f: usize,
+    out: usize,
+    ld: usize,
+    bias_column: bool,
+) -> Result<Vec<T>> {
+    let rows = x.len() / in_f.max(1);
+    let mut dw = uninit::<T>(out * ld)?;
+    let (gm, xm) = (Mat::rows(g, out), Mat::rows(x, in_f));
+    matmul(out, in_f, rows, &mut dw, ld, false, gm.t(), xm, true);
+    if bias_column {
+        for (i, v) in column_sums(g, out).into_iter().enumerate() {
+            dw[i * ld + in_f] = v;
+        }
+    }
+    Ok(dw)
+}
+
 impl Linear {
     fn name(&self) -> &'static str {
         if self.opts.gelu {
@@ -184,32 +271,8 @@ impl Linear {
         w_layout: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let (out_f, in_f) = w_layout.shape().dims2()?;
-        let rows = x.len() / in_f.max(1);
-        let mut y = uninit::<T>(rows * out_f)?;
-        let bias_first = b.is_some() && self.opts.reduce_output.is_none();
-        if let (true, Some(b)) = (bias_first, b) {
-            for row in y.chunks_exact_mut(out_f) {
-                row.copy_from_slice(b);
-            }
-        }
-        matmul(
-            rows,
-            out_f,
-            in_f,
-            &mut y,
-            out_f,
-            bias_first,
-            Mat::rows(x, in_f),
-            Mat::rows(w, in_f).t(),
-            true,
-        );
-        if let Some(reduce) = &self.opts.reduce_output {
-            let t = reduce(&kernel::tensor(y, (rows, out_f))?)?;
-            y = t.flatten_all()?.to_vec1::<T>()?;
-            if let Some(b) = b {
-                add_rows(&mut y, b);
-            }
-        }
+        let reduce = self.opts.reduce_output.as_ref();
+        let y = affine_forward(x, in_f, w, in_f, b, out_f, reduce)?;
         let mut out_dims = shape.dims().to_vec();
         *out_dims.last_mut().expect("rank ≥ 2") = out_f;
         if !self.opts.gelu {
@@ -235,7 +298,6 @@ impl Linear {
         let grad = grad.contiguous()?;
         let (xv, wv, gv) = (view(x, name)?, view(w, name)?, view(&grad, name)?);
         let (xs, ws, g) = (xv.get::<T>()?, wv.get::<T>()?, gv.get::<T>()?);
-        let rows = xs.len() / in_f;
         let g: Cow<[T]> = if self.opts.gelu {
             let Some(pre) = self.pre.get() else {
                 bail!("{name}: backward before forward")
@@ -247,39 +309,18 @@ impl Linear {
         } else {
             Cow::Borrowed(g)
         };
-        let dx = if x.track_op() {
-            let mut dx = uninit::<T>(rows * in_f)?;
-            matmul(
-                rows,
-                in_f,
-                out_f,
-                &mut dx,
-                in_f,
-                false,
-                Mat::rows(&g, out_f),
-                Mat::rows(ws, in_f),
-                true,
-            );
-            let dx = kernel::tensor(dx, x.shape().clone())?;
-            Some(match &self.opts.reduce_input_grad {
-                Some(reduce) => reduce(&dx)?,
-                None => dx,
-            })
-        } else {
-            None
+        let dx = match x.track_op() {
+            true => {
+                let dx = affine_input_grad(&g, ws, in_f, in_f, out_f)?;
+                Some(reduced(
+                    dx,
+                    x.shape(),
+                    self.opts.reduce_input_grad.as_ref(),
+                )?)
+            }
+            false => None,
         };
-        let mut dw = uninit::<T>(out_f * in_f)?;
-        matmul(
-            out_f,
-            in_f,
-            rows,
-            &mut dw,
-            in_f,
-            false,
-            Mat::rows(&g, out_f).t(),
-            Mat::rows(xs, in_f),
-            true,
-        );
+        let dw = affine_weight_grad(&g, xs, in_f, out_f, in_f, false)?;
         let dw = kernel::tensor(dw, (out_f, in_f))?;
         let db = match has_bias {
             true => Some(kernel::tensor(column_sums(&g, out_f), out_f)?),

@@ -30,8 +30,8 @@ use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Ten
 
 use crate::attention::AttentionEpilogue;
 use crate::gelu::{gelu_backward_slice, gelu_forward_slice};
-use crate::kernel::{self, matmul, slice, uninit, view, Float, Mat};
-use crate::linear::{add_rows, column_sums, Reduce};
+use crate::kernel::{self, slice, uninit, view, Float};
+use crate::linear::{affine_forward, affine_input_grad, affine_weight_grad, reduced, Reduce};
 use crate::LinearOptions;
 
 /// The collectives around [`mlp`] and [`attention_block`] (tensor parallelism).
@@ -234,20 +234,11 @@ impl Pair {
     ) -> Result<(CpuStorage, Shape)> {
         let (d, n1, mid, out) = (self.d, self.n1, self.mid, self.out);
         let (ld1, ld2) = self.lds();
-        let rows = x.len() / d.max(1);
-        let bias = |w: &[T], n: usize, ld: usize| -> Vec<T> {
-            (0..n).map(|i| w[i * ld + ld - 1]).collect()
+        let bias = |on: bool, w: &[T], n: usize, ld: usize| -> Option<Vec<T>> {
+            on.then(|| (0..n).map(|i| w[i * ld + ld - 1]).collect())
         };
-        let mut pre = uninit::<T>(rows * n1)?;
-        if self.bias[0] {
-            let b1 = bias(w1, n1, ld1);
-            for row in pre.chunks_exact_mut(n1) {
-                row.copy_from_slice(&b1);
-            }
-        }
-        let (w1m, w2m) = (Mat::rows(w1, ld1), Mat::rows(w2, ld2));
-        let xm = Mat::rows(x, d);
-        matmul(rows, n1, d, &mut pre, n1, self.bias[0], xm, w1m.t(), true);
+        let b1 = bias(self.bias[0], w1, n1, ld1);
+        let pre = affine_forward(x, d, w1, ld1, b1.as_deref(), n1, None)?;
         let h = match &self.attention {
             Some(attn) => attn.forward(&pre, &self.pre_shape(shape))?.0,
             None => {
@@ -256,27 +247,9 @@ impl Pair {
                 h
             }
         };
-        let hm = Mat::rows(&h, mid);
-        let mut y = uninit::<T>(rows * out)?;
-        let b2 = self.bias[1].then(|| bias(w2, out, ld2));
-        match &self.opts.reduce_output {
-            None => {
-                if let Some(b2) = &b2 {
-                    for row in y.chunks_exact_mut(out) {
-                        row.copy_from_slice(b2);
-                    }
-                }
-                matmul(rows, out, mid, &mut y, out, b2.is_some(), hm, w2m.t(), true);
-            }
-            Some(reduce) => {
-                matmul(rows, out, mid, &mut y, out, false, hm, w2m.t(), true);
-                let t = reduce(&kernel::tensor(y, (rows, out))?)?;
-                y = t.flatten_all()?.to_vec1::<T>()?;
-                if let Some(b2) = &b2 {
-                    add_rows(&mut y, b2);
-                }
-            }
-        }
+        let b2 = bias(self.bias[1], w2, out, ld2);
+        let reduce = self.opts.reduce_output.as_ref();
+        let y = affine_forward(&h, mid, w2, ld2, b2.as_deref(), out, reduce)?;
         let _ = self
             .saved
             .set((T::to_cpu_storage_owned(pre), T::to_cpu_storage_owned(h)));
@@ -308,39 +281,10 @@ impl Pair {
             w2v.get::<T>()?,
             gv.get::<T>()?,
         );
-        let rows = xs.len() / d;
-        let gm = Mat::rows(g, out);
-        // d[w2 | b2]: Gᵀ·h into the first `mid` columns, Σ_rows G into the last.
-        let mut dw2 = uninit::<T>(out * ld2)?;
-        matmul(
-            out,
-            mid,
-            rows,
-            &mut dw2,
-            ld2,
-            false,
-            gm.t(),
-            Mat::rows(h, mid),
-            true,
-        );
-        if self.bias[1] {
-            for (i, v) in column_sums(g, out).into_iter().enumerate() {
-                dw2[i * ld2 + mid] = v;
-            }
-        }
-        // dh = G·w2, then dpre through the middle function.
-        let mut dh = uninit::<T>(rows * mid)?;
-        matmul(
-            rows,
-            mid,
-            out,
-            &mut dh,
-            mid,
-            false,
-            gm,
-            Mat::rows(w2s, ld2),
-            true,
-        );
+        // The second affine map (`g`'s backward is the identity), then the middle
+        // function, then the first.
+        let dw2 = affine_weight_grad(g, h, mid, out, ld2, self.bias[1])?;
+        let dh = affine_input_grad(g, w2s, ld2, mid, out)?;
         let dpre = match &self.attention {
             Some(attn) => attn.backward(pre, h, &dh, &self.pre_shape(x.shape()))?,
             None => {
@@ -350,43 +294,15 @@ impl Pair {
             }
         };
         drop(dh);
-        let dpm = Mat::rows(&dpre, n1);
-        let mut dw1 = uninit::<T>(n1 * ld1)?;
-        matmul(
-            n1,
-            d,
-            rows,
-            &mut dw1,
-            ld1,
-            false,
-            dpm.t(),
-            Mat::rows(xs, d),
-            true,
-        );
-        if self.bias[0] {
-            for (i, v) in column_sums(&dpre, n1).into_iter().enumerate() {
-                dw1[i * ld1 + d] = v;
-            }
-        }
+        let dw1 = affine_weight_grad(&dpre, xs, d, n1, ld1, self.bias[0])?;
         let dx = match x.track_op() {
             true => {
-                let mut dx = uninit::<T>(rows * d)?;
-                matmul(
-                    rows,
-                    d,
-                    n1,
-                    &mut dx,
-                    d,
-                    false,
-                    dpm,
-                    Mat::rows(w1s, ld1),
-                    true,
-                );
-                let dx = kernel::tensor(dx, x.shape().clone())?;
-                Some(match &self.opts.reduce_input_grad {
-                    Some(reduce) => reduce(&dx)?,
-                    None => dx,
-                })
+                let dx = affine_input_grad(&dpre, w1s, ld1, d, n1)?;
+                Some(reduced(
+                    dx,
+                    x.shape(),
+                    self.opts.reduce_input_grad.as_ref(),
+                )?)
             }
             false => None,
         };
