@@ -134,64 +134,61 @@ fn width(i: usize, t: usize) -> usize {
 }
 
 simd! {
-    /// Row `i` of the `t × t` scores `s`: `p_j = exp(scale·(s_j − max)) / Σ` for `j ≤ i`,
-    /// 0 after; records `lse_i = scale·max + ln Σ`.
-    fn softmax_causal_portable<T>(s: &mut [T], t: usize, ld: usize, scale: f64, lse: &mut [T]) {
+    /// One row of the causal softmax, portable: `live[j] = exp(scale·live[j] − m) / z` for
+    /// `j < n`, 0 after; returns the log-sum-exp `m + ln z`.
+    fn softmax_row_portable<T>(live: &mut [T], n: usize, scale: f64) -> T {
         let scale = T::from_f64(scale);
-        for (i, row) in s.chunks_exact_mut(ld).take(t).enumerate() {
-            let (live, dead) = row[..t].split_at_mut(width(i, t));
-            live[i + 1..].fill(T::NEG_INF);
-            let m = max(live) * scale;
-            for v in live.iter_mut() {
-                *v = (*v * scale - m).exp();
-            }
-            live[i + 1..].fill(T::zero());
-            let z = sum(live);
-            let inv = T::one() / z;
-            for v in live.iter_mut() {
-                *v *= inv;
-            }
-            dead.fill(T::zero());
-            lse[i] = m + z.ln();
+        live[n..].fill(T::NEG_INF);
+        let m = max(live) * scale;
+        for v in live.iter_mut() {
+            *v = (*v * scale - m).exp();
         }
+        live[n..].fill(T::zero());
+        let z = sum(live);
+        let inv = T::one() / z;
+        for v in live.iter_mut() {
+            *v *= inv;
+        }
+        m + z.ln()
     }
 }
 
 simd! {
-    /// Recomputes `P` from the scores and the log-sum-exp, then turns `dp` into
-    /// `dS = scale · P ⊙ (dP − D)` and `s` into `P`.
-    fn softmax_causal_bwd_portable<T>(s: &mut [T], dp: &mut [T], t: usize, ld: usize, scale: f64, lse: &[T], dsum: &[T]) {
+    /// One row of the causal softmax's backward, portable: `row` holds the scores and
+    /// becomes `P = exp(scale·s − lse)`, `drow` holds `dP` and becomes
+    /// `dS = scale · P ⊙ (dP − D)`, for `j < n`; both 0 after.
+    fn softmax_row_bwd_portable<T>(row: &mut [T], drow: &mut [T], n: usize, scale: f64, lse: T, dsum: T) {
         let scale = T::from_f64(scale);
-        let rows = s.chunks_exact_mut(ld).zip(dp.chunks_exact_mut(ld)).take(t);
-        for (i, (row, drow)) in rows.enumerate() {
-            let (l, di, w) = (lse[i], dsum[i], width(i, t));
-            row[i + 1..w].fill(T::NEG_INF);
-            for (p, d) in row[..w].iter_mut().zip(drow[..w].iter_mut()) {
-                *p = (*p * scale - l).exp();
-                *d = *p * (*d - di) * scale;
-            }
-            row[i + 1..t].fill(T::zero());
-            drow[i + 1..t].fill(T::zero());
+        row[n..].fill(T::NEG_INF);
+        for (p, d) in row.iter_mut().zip(drow.iter_mut()) {
+            *p = (*p * scale - lse).exp();
+            *d = *p * (*d - dsum) * scale;
         }
+        row[n..].fill(T::zero());
+        drow[n..].fill(T::zero());
     }
 }
 
-/// [`softmax_causal_portable`], through [`crate::avx512`]'s row kernel where it runs.
+/// The causal softmax of the `t × t` scores `s` (row stride `ld`), row by row over each
+/// row's [`width`]; records each row's log-sum-exp. Rows go through [`crate::avx512`]'s
+/// kernel where it runs.
 fn softmax_causal<T: Float>(s: &mut [T], t: usize, ld: usize, scale: f64, lse: &mut [T]) {
-    #[cfg(target_arch = "x86_64")]
-    if let (Some(s), Some(lse)) = (kernel::avx512_f32_mut(s), kernel::avx512_f32_mut(lse)) {
-        for (i, row) in s.chunks_exact_mut(ld).take(t).enumerate() {
-            let (live, dead) = row[..t].split_at_mut(width(i, t));
+    for (i, row) in s.chunks_exact_mut(ld).take(t).enumerate() {
+        let (live, dead) = row[..t].split_at_mut(width(i, t));
+        lse[i] = match kernel::avx512_f32_mut(live) {
             // SAFETY: `avx512_f32_mut` only answers on CPUs with AVX-512; 1 ≤ i + 1 ≤ width.
-            lse[i] = unsafe { crate::avx512::softmax_row(live, i + 1, scale as f32) };
-            dead.fill(0.0);
-        }
-        return;
+            #[cfg(target_arch = "x86_64")]
+            Some(live) => {
+                T::from_f64(unsafe { crate::avx512::softmax_row(live, i + 1, scale as f32) } as f64)
+            }
+            _ => softmax_row_portable(live, i + 1, scale),
+        };
+        dead.fill(T::zero());
     }
-    softmax_causal_portable(s, t, ld, scale, lse)
 }
 
-/// [`softmax_causal_bwd_portable`], through [`crate::avx512`]'s row kernel where it runs.
+/// Recomputes `P` from the scores and the log-sum-exp, then turns `dp` into
+/// `dS = scale · P ⊙ (dP − D)` and `s` into `P`, row by row as [`softmax_causal`].
 fn softmax_causal_bwd<T: Float>(
     s: &mut [T],
     dp: &mut [T],
@@ -201,33 +198,29 @@ fn softmax_causal_bwd<T: Float>(
     lse: &[T],
     dsum: &[T],
 ) {
-    #[cfg(target_arch = "x86_64")]
-    if let (Some(s), Some(dp), Some(lse), Some(dsum)) = (
-        kernel::avx512_f32_mut(s),
-        kernel::avx512_f32_mut(dp),
-        kernel::avx512_f32(lse),
-        kernel::avx512_f32(dsum),
-    ) {
-        let rows = s.chunks_exact_mut(ld).zip(dp.chunks_exact_mut(ld)).take(t);
-        for (i, (row, drow)) in rows.enumerate() {
-            let w = width(i, t);
-            // SAFETY: as above; i + 1 ≤ width.
-            unsafe {
-                crate::avx512::softmax_row_bwd(
-                    &mut row[..w],
-                    &mut drow[..w],
-                    i + 1,
-                    scale as f32,
-                    lse[i],
-                    dsum[i],
-                )
-            };
-            row[w..t].fill(0.0);
-            drow[w..t].fill(0.0);
+    let rows = s.chunks_exact_mut(ld).zip(dp.chunks_exact_mut(ld)).take(t);
+    for (i, (row, drow)) in rows.enumerate() {
+        let w = width(i, t);
+        let (live, dlive) = (&mut row[..w], &mut drow[..w]);
+        match (kernel::avx512_f32_mut(live), kernel::avx512_f32_mut(dlive)) {
+            #[cfg(target_arch = "x86_64")]
+            (Some(live), Some(dlive)) => {
+                let (l, d) = (lse[i].to_f64() as f32, dsum[i].to_f64() as f32);
+                // SAFETY: as above; i + 1 ≤ width.
+                unsafe { crate::avx512::softmax_row_bwd(live, dlive, i + 1, scale as f32, l, d) }
+            }
+            _ => softmax_row_bwd_portable(
+                &mut row[..w],
+                &mut drow[..w],
+                i + 1,
+                scale,
+                lse[i],
+                dsum[i],
+            ),
         }
-        return;
+        row[w..t].fill(T::zero());
+        drow[w..t].fill(T::zero());
     }
-    softmax_causal_bwd_portable(s, dp, t, ld, scale, lse, dsum)
 }
 
 impl Attention {

@@ -53,7 +53,6 @@ simd! {
     }
 }
 
-/// Elements per parallel task of an element-wise kernel over `n` elements.
 /// The portable kernels on one thread, for comparison with [`crate::avx512`]'s.
 #[cfg(test)]
 pub(crate) fn portable(x: &[f32], g: &[f32], y: &mut [f32], dx: &mut [f32]) {
@@ -61,6 +60,7 @@ pub(crate) fn portable(x: &[f32], g: &[f32], y: &mut [f32], dx: &mut [f32]) {
     gelu_grad_kernel(x, g, dx);
 }
 
+/// Elements per parallel task of an element-wise kernel over `n` elements.
 fn chunk(n: usize) -> usize {
     let t = rayon::current_num_threads();
     if t <= 1 {

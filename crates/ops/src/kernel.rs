@@ -364,19 +364,18 @@ pub(crate) fn matmul<T: Float>(
         return;
     }
     #[cfg(target_arch = "x86_64")]
-    if T::DTYPE == candle_core::DType::F32 && b.cs == 1 && m * n * k <= SMALL_MAX && avx512() {
-        // SAFETY: T is f32 (its dtype says so), so the casts are identities; the bounds
-        // were checked above and `dst` is exclusively borrowed.
-        unsafe {
-            let f = |x: Mat<T>| Mat {
-                data: std::slice::from_raw_parts(x.data.as_ptr().cast::<f32>(), x.data.len()),
-                rs: x.rs,
-                cs: x.cs,
-            };
-            let d = dst.as_mut_ptr().cast::<f32>();
-            crate::sgemm::small_sgemm(m, n, k, d, ld, accumulate, f(a), f(b));
+    if b.cs == 1 && m * n * k <= SMALL_MAX {
+        if let (Some(ad), Some(bd), Some(d)) =
+            (avx512_f32(a.data), avx512_f32(b.data), avx512_f32_mut(dst))
+        {
+            let (rs, cs) = (a.rs, a.cs);
+            let a = Mat { data: ad, rs, cs };
+            let b = Mat::rows(bd, b.rs);
+            // SAFETY: `avx512_f32` only answers on CPUs with AVX-512; the bounds were
+            // checked above and `dst` is exclusively borrowed.
+            unsafe { crate::sgemm::small_sgemm(m, n, k, d.as_mut_ptr(), ld, accumulate, a, b) };
+            return;
         }
-        return;
     }
     let threads = rayon::current_num_threads();
     let par = if parallel && threads > 1 && m * n * k >= PARALLEL_MIN {
