@@ -217,18 +217,26 @@ pub(crate) fn affine_input_grad<T: Float>(
     Ok(dx)
 }
 
-/// `v` as a tensor of `shape`, reduced by `reduce` when given (a column-parallel `f` on
-/// an input gradient).
-pub(crate) fn reduced<T: Float>(
-    v: Vec<T>,
-    shape: &Shape,
+/// The gradient of the op's input `x` from [`affine_input_grad`], as a tensor of `x`'s
+/// shape reduced by `reduce` (a column-parallel `f`); `None` when `x` needs none.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn input_grad<T: Float>(
+    x: &Tensor,
+    g: &[T],
+    w: &[T],
+    ldw: usize,
+    in_f: usize,
+    out: usize,
     reduce: Option<&Reduce>,
-) -> Result<Tensor> {
-    let t = kernel::tensor(v, shape.clone())?;
-    match reduce {
-        Some(reduce) => reduce(&t),
-        None => Ok(t),
+) -> Result<Option<Tensor>> {
+    if !x.track_op() {
+        return Ok(None);
     }
+    let dx = kernel::tensor(affine_input_grad(g, w, ldw, in_f, out)?, x.shape().clone())?;
+    Ok(Some(match reduce {
+        Some(reduce) => reduce(&dx)?,
+        None => dx,
+    }))
 }
 
 /// The weight gradient of [`affine_forward`] as `[out, ld]` rows: `Gᵀ · x` in the first
@@ -309,17 +317,8 @@ impl Linear {
         } else {
             Cow::Borrowed(g)
         };
-        let dx = match x.track_op() {
-            true => {
-                let dx = affine_input_grad(&g, ws, in_f, in_f, out_f)?;
-                Some(reduced(
-                    dx,
-                    x.shape(),
-                    self.opts.reduce_input_grad.as_ref(),
-                )?)
-            }
-            false => None,
-        };
+        let reduce = self.opts.reduce_input_grad.as_ref();
+        let dx = input_grad(x, &g, ws, in_f, in_f, out_f, reduce)?;
         let dw = affine_weight_grad(&g, xs, in_f, out_f, in_f, false)?;
         let dw = kernel::tensor(dw, (out_f, in_f))?;
         let db = match has_bias {

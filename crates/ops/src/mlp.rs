@@ -31,7 +31,7 @@ use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Ten
 use crate::attention::AttentionEpilogue;
 use crate::gelu::{gelu_backward_slice, gelu_forward_slice};
 use crate::kernel::{self, slice, uninit, view, Float};
-use crate::linear::{affine_forward, affine_input_grad, affine_weight_grad, reduced, Reduce};
+use crate::linear::{affine_forward, affine_input_grad, affine_weight_grad, input_grad, Reduce};
 use crate::LinearOptions;
 
 /// The collectives around [`mlp`] and [`attention_block`] (tensor parallelism).
@@ -295,17 +295,8 @@ impl Pair {
         };
         drop(dh);
         let dw1 = affine_weight_grad(&dpre, xs, d, n1, ld1, self.bias[0])?;
-        let dx = match x.track_op() {
-            true => {
-                let dx = affine_input_grad(&dpre, w1s, ld1, d, n1)?;
-                Some(reduced(
-                    dx,
-                    x.shape(),
-                    self.opts.reduce_input_grad.as_ref(),
-                )?)
-            }
-            false => None,
-        };
+        let reduce = self.opts.reduce_input_grad.as_ref();
+        let dx = input_grad(x, &dpre, w1s, ld1, d, n1, reduce)?;
         Ok((
             dx,
             kernel::tensor(dw1, (n1, ld1))?,
