@@ -4,8 +4,8 @@
 //!    microbatches, prints each text grid, and checks the bubble and activation formulas.
 //! 2. Runs each schedule for real: four threads, each a pipeline rank running small
 //!    `ModuleStage`s with `switchyard::pipeline::Executor`. Checks that every schedule
-//!    computes the gradients of the serial chain, prints the measured peak of stashed
-//!    activations beside the simulator's, and writes the 1F1B run's trace for Perfetto.
+//!    computes the gradients of the serial chain, prints the counted peak of stashed
+//!    microbatches (from the executed order) beside the simulator's, and writes the 1F1B run's trace for Perfetto.
 //!
 //! ```text
 //! cargo run --release --example pipeline
@@ -81,7 +81,7 @@ fn main() -> anyhow::Result<()> {
 
     println!("== 2. Executed on {P} threads: a chain of tanh(x·W) stages, f64\n");
     println!("schedule                  stages  peak activations per rank   max |grad − serial|");
-    println!("                                  measured     predicted");
+    println!("                                  counted      predicted");
     println!("{}", "-".repeat(82));
     let out = out_dir("pipeline")?;
     for (name, kind) in kinds {
@@ -103,11 +103,11 @@ fn main() -> anyhow::Result<()> {
             }
         }
         let loss = losses.iter().sum::<f64>() / losses.len() as f64;
-        let measured: Vec<u32> = ranks.iter().map(|r| r.peak as u32).collect();
+        let counted: Vec<u32> = ranks.iter().map(|r| r.peak as u32).collect();
         println!(
             "{name:<25} {:>6}  {:<12} {:<12}  {max_diff:.1e}",
             program.num_stages,
-            join(&measured),
+            join(&counted),
             join(&predicted)
         );
         ensure!(max_diff < 1e-12, "{name}: gradients differ by {max_diff}");
@@ -116,8 +116,8 @@ fn main() -> anyhow::Result<()> {
             "{name}: loss {loss} vs {serial_loss}"
         );
         ensure!(
-            measured == predicted,
-            "{name}: measured peaks differ from the simulator's"
+            counted == predicted,
+            "{name}: counted peaks differ from the simulator's"
         );
 
         if kind == ScheduleKind::ZbH1 {

@@ -10,6 +10,10 @@ non-overlapping windows of L + 1 bytes from byte 0, inputs the first L, targets 
 
     scripts/check-export.py model.safetensors TEXT --seq-len L --max-windows N --heads H
 
+It also recomputes the export's `checksum` metadata from the raw file (the recipe in
+docs/reference/checkpoint-format.md, written out here independently of Rust) and fails
+if it does not match; a file without one is reported as `"checksum": "absent"`.
+
 The one deliberate difference from nanoGPT's `model.py` is the GELU: nanoGPT uses the
 exact `nn.GELU()`, switchyard GPT-2's tanh approximation (`nn.GELU(approximate="tanh")`).
 Needs `pip install numpy safetensors`. CI compares its output with `switchyard eval`.
@@ -38,6 +42,24 @@ def nanogpt_shapes(v, block, n_layer, d):
         })
     shapes.update({"transformer.ln_f.weight": (d,), "transformer.ln_f.bias": (d,), "lm_head.weight": (v, d)})
     return shapes
+
+
+def fnv1a64_checksum(path):
+    """The export checksum: FNV-1a 64 over NAME 0 DTYPE 0 SHAPE 0 DATA per tensor, by name."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    data = raw[8 + n :]
+    h = 0xCBF29CE484222325
+    for name in sorted((k for k in header if k != "__metadata__"), key=lambda k: k.encode()):
+        t = header[name]
+        begin, end = t["data_offsets"]
+        shape = ",".join(str(d) for d in t["shape"])
+        piece = f"{name}\0{t['dtype']}\0{shape}\0".encode() + data[begin:end]
+        for byte in piece:
+            h = ((h ^ byte) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
+    return f"fnv1a64:{h:016x}"
 
 
 def layer_norm(x, w, b):
@@ -86,6 +108,12 @@ def main():
     sd = {k: v.astype(np.float64) for k, v in load_file(a.weights).items()}
     with safe_open(a.weights, "np") as f:
         meta = f.metadata() or {}
+    checksum = "absent"
+    if "checksum" in meta:
+        got = fnv1a64_checksum(a.weights)
+        if got != meta["checksum"]:
+            sys.exit(f"checksum mismatch: the tensors give {got}, the metadata says {meta['checksum']}")
+        checksum = "ok"
     n_layer = sum(1 for k in sd if k.endswith(".ln_1.weight"))
     v, d = sd["transformer.wte.weight"].shape
     want = nanogpt_shapes(v, sd["transformer.wpe.weight"].shape[0], n_layer, d)
@@ -105,7 +133,7 @@ def main():
     logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
     targets = windows[:, 1:]
     loss = -np.take_along_axis(logp, targets[..., None], -1).mean()
-    print(json.dumps({"windows": int(n), "nats_per_byte": float(loss), "metadata_format": meta.get("format")}))
+    print(json.dumps({"windows": int(n), "nats_per_byte": float(loss), "metadata_format": meta.get("format"), "checksum": checksum}))
 
 
 if __name__ == "__main__":

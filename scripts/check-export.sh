@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Trains a tiny tied GPT, exports it, and checks the export independently of Rust:
 # scripts/check-export.py (NumPy + the safetensors package) checks that it is exactly a
-# nanoGPT state dict and computes nanoGPT's loss on it, which must equal `switchyard eval`.
+# nanoGPT state dict, recomputes its checksum, and computes nanoGPT's loss on it, which must
+# equal `switchyard eval`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -25,6 +26,8 @@ echo "nanoGPT (NumPy): $theirs"
 "$venv/bin/python" - "$ours" "$theirs" <<'PY'
 import json, sys
 a, b = (json.loads(s)["nats_per_byte"] for s in sys.argv[1:3])
+if json.loads(sys.argv[2])["checksum"] != "ok":
+    sys.exit("the export carries no checksum")
 if abs(a - b) > 1e-5 * abs(b):
     sys.exit(f"the export computes another function: {a} vs {b}")
 print(f"export matches nanoGPT's forward pass: {a:.6f} vs {b:.6f}")

@@ -1,6 +1,6 @@
 //! The `switchyard` command-line tool.
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 
 mod cli;
 
@@ -37,7 +37,7 @@ enum Command {
 fn main() {
     switchyard::keep_freed_memory();
     cli::configure_threads_env();
-    let cli = Cli::parse();
+    let cli = parse();
     let result = match cli.command {
         Command::Train(a) => cli::train::run(*a),
         Command::Schedule(a) => cli::schedule::run(a),
@@ -49,5 +49,38 @@ fn main() {
     if let Err(e) = result {
         eprintln!("error: {e:#}");
         std::process::exit(1);
+    }
+}
+
+/// The command line. Every subcommand takes negative numbers (`--lr -1`) as values, so
+/// that they reach the checks that refuse them by value with a clear message; an
+/// integer flag given a negative value is refused here, naming the flag.
+fn parse() -> Cli {
+    let cmd = Cli::command().mut_subcommands(|s| s.allow_negative_numbers(true));
+    let result = cmd
+        .try_get_matches()
+        .and_then(|mut m| Cli::from_arg_matches_mut(&mut m));
+    match result {
+        Ok(cli) => cli,
+        Err(e) => {
+            use clap::error::{ContextKind, ContextValue, ErrorKind};
+            let value = |k| match e.get(k) {
+                Some(ContextValue::String(s)) => Some(s.clone()),
+                _ => None,
+            };
+            if e.kind() == ErrorKind::ValueValidation {
+                if let (Some(flag), Some(v)) = (
+                    value(ContextKind::InvalidArg),
+                    value(ContextKind::InvalidValue),
+                ) {
+                    if v.starts_with('-') {
+                        let flag = flag.split_whitespace().next().unwrap_or(&flag);
+                        eprintln!("error: {flag} {v}: must be a whole number ≥ 0");
+                        std::process::exit(2);
+                    }
+                }
+            }
+            e.exit()
+        }
     }
 }

@@ -229,3 +229,280 @@ fn bad_layouts_fail_before_training_with_what_to_change() {
     let e = fails(&["eval", "--checkpoint", "/nonexistent/switchyard/ckpt"]);
     assert!(e.contains("/nonexistent/switchyard/ckpt"), "{e}");
 }
+
+#[test]
+fn toml_keys_of_the_wrong_type_are_errors_naming_the_key_the_file_and_the_type() {
+    let dir = scratch("toml-types");
+    let cfg = dir.join("bad.toml");
+    for (line, want) in [
+        (
+            "checkpoint_dir = 7",
+            "key `checkpoint_dir`: invalid type: integer `7`, expected a string (a path)",
+        ),
+        (
+            "save_every = \"1\"",
+            "key `save_every`: invalid type: string \"1\", expected a non-negative integer",
+        ),
+        (
+            "metrics = 5",
+            "key `metrics`: invalid type: integer `5`, expected a string (a path)",
+        ),
+        (
+            "keep = -1",
+            "key `keep`: invalid value: negative integer `-1`, expected a non-negative integer",
+        ),
+        (
+            "data = true",
+            "key `data`: invalid type: boolean `true`, expected a string (a path)",
+        ),
+        (
+            "trace = 1.5",
+            "key `trace`: invalid type: floating point `1.5`, expected a string (a path)",
+        ),
+        (
+            "steps = \"3\"",
+            "key `steps`: invalid type: string \"3\", expected a non-negative integer",
+        ),
+        (
+            "lr = \"fast\"",
+            "key `lr`: invalid type: string \"fast\", expected a number",
+        ),
+        (
+            "dp = -2",
+            "key `dp`: invalid value: negative integer `-2`, expected a non-negative integer",
+        ),
+        (
+            "[model]\nn_head = \"4\"",
+            "key `model.n_head`: invalid type: string \"4\"",
+        ),
+        (
+            "checkpoint_dirr = \"ckpt\"",
+            "unknown field `checkpoint_dirr`",
+        ),
+    ] {
+        std::fs::write(&cfg, line).unwrap();
+        let e = fails(&strs(&tiny(&["--config", cfg.to_str().unwrap()])));
+        let file = format!("--config {}: ", cfg.display());
+        assert!(e.contains(&format!("{file}{want}")), "{line}: {e}");
+    }
+    // An unknown key's error lists the file-only keys too.
+    assert!(fails(&strs(&tiny(&["--config", cfg.to_str().unwrap()])))
+        .contains("or one of the file-only keys `data`, `metrics`, `trace`, `checkpoint_dir`"),);
+}
+
+#[test]
+fn save_every_or_keep_without_a_checkpoint_dir_is_refused() {
+    let dir = scratch("no-ckpt-dir");
+    for (flag, want) in [("--save-every", "--save-every 2"), ("--keep", "--keep 2")] {
+        let e = fails(&strs(&tiny(&[flag, "2", "--steps", "1"])));
+        assert!(
+            e.contains(&format!("{want} needs --checkpoint-dir")),
+            "{flag}: {e}"
+        );
+    }
+    let cfg = dir.join("run.toml");
+    for key in ["save_every", "keep"] {
+        std::fs::write(&cfg, format!("steps = 1\n{key} = 1\n")).unwrap();
+        let e = fails(&strs(&tiny(&["--config", cfg.to_str().unwrap()])));
+        assert!(
+            e.contains(&format!(
+                "`{key} = 1` in --config {} needs --checkpoint-dir",
+                cfg.display()
+            )),
+            "{key}: {e}"
+        );
+    }
+    // With a checkpoint directory from the flag, the file's save_every counts.
+    let ckpt = dir.join("ckpt");
+    std::fs::write(&cfg, "steps = 2\nsave_every = 1\n").unwrap();
+    ok(&strs(&tiny(&[
+        "--config",
+        cfg.to_str().unwrap(),
+        "--checkpoint-dir",
+        ckpt.to_str().unwrap(),
+    ])));
+    assert!(ckpt.join("step-00000001").join("manifest.json").exists());
+    assert!(ckpt.join("step-00000002").join("manifest.json").exists());
+}
+
+fn listing(dir: &std::path::Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    v.sort();
+    v
+}
+
+/// The byte offset where a safetensors file's tensor data starts.
+fn data_start(bytes: &[u8]) -> usize {
+    8 + u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize
+}
+
+#[test]
+fn export_refuses_to_overwrite_or_write_into_the_checkpoint_and_leaves_other_files_alone() {
+    let dir = scratch("export-safety");
+    let ckpt = dir.join("ckpt");
+    ok(&strs(&tiny(&[
+        "--steps",
+        "1",
+        "--checkpoint-dir",
+        ckpt.to_str().unwrap(),
+    ])));
+    let export = |out: &std::path::Path, force: bool| {
+        let mut args = vec![
+            "export",
+            "--checkpoint",
+            ckpt.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+        ];
+        if force {
+            args.push("--force");
+        }
+        switchyard(&args)
+    };
+    let stderr = |o: &Output| String::from_utf8_lossy(&o.stderr).into_owned();
+
+    // An unrelated notes.tmp beside notes.safetensors survives the export.
+    let out = dir.join("notes.safetensors");
+    std::fs::write(dir.join("notes.tmp"), b"my notes").unwrap();
+    assert!(export(&out, false).status.success());
+    assert_eq!(std::fs::read(dir.join("notes.tmp")).unwrap(), b"my notes");
+    assert_eq!(listing(&dir), ["ckpt", "notes.safetensors", "notes.tmp"]);
+
+    // An existing --out is refused without --force, and replaced with it.
+    std::fs::write(&out, b"precious").unwrap();
+    let o = export(&out, false);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        stderr(&o).contains("already exists: pass --force to replace it"),
+        "{}",
+        stderr(&o)
+    );
+    assert_eq!(std::fs::read(&out).unwrap(), b"precious");
+    assert!(export(&out, true).status.success());
+    assert_ne!(std::fs::read(&out).unwrap(), b"precious");
+
+    // A directory as --out is an error that leaves nothing behind, forced or not.
+    let as_dir = dir.join("model");
+    std::fs::create_dir(&as_dir).unwrap();
+    for force in [false, true] {
+        let o = export(&as_dir, force);
+        assert_eq!(o.status.code(), Some(1));
+        assert!(stderr(&o).contains("is a directory"), "{}", stderr(&o));
+    }
+    assert!(listing(&as_dir).is_empty());
+    assert_eq!(
+        listing(&dir),
+        ["ckpt", "model", "notes.safetensors", "notes.tmp"]
+    );
+
+    // Never into the checkpoint being exported, neither its directory nor a step.
+    let before = listing(&ckpt);
+    for out in [
+        ckpt.join("model.safetensors"),
+        ckpt.join("step-00000001").join("model.safetensors"),
+    ] {
+        let o = export(&out, true);
+        assert_eq!(o.status.code(), Some(1));
+        assert!(
+            stderr(&o).contains("the checkpoint being exported"),
+            "{}",
+            stderr(&o)
+        );
+    }
+    assert_eq!(listing(&ckpt), before);
+    assert!(!ckpt
+        .join("step-00000001")
+        .join("model.safetensors")
+        .exists());
+}
+
+#[test]
+fn a_damaged_export_is_refused_by_eval_sample_and_init_and_a_foreign_file_loads_with_a_note() {
+    let dir = scratch("export-checksum");
+    let ckpt = dir.join("ckpt");
+    ok(&strs(&tiny(&[
+        "--steps",
+        "1",
+        "--checkpoint-dir",
+        ckpt.to_str().unwrap(),
+    ])));
+    let model = dir.join("model.safetensors");
+    ok(&[
+        "export",
+        "--checkpoint",
+        ckpt.to_str().unwrap(),
+        "--out",
+        model.to_str().unwrap(),
+    ]);
+    let eval = |f: &std::path::Path| {
+        switchyard(&[
+            "eval",
+            "--checkpoint",
+            f.to_str().unwrap(),
+            "--max-windows",
+            "4",
+            "--json",
+        ])
+    };
+    let good = eval(&model);
+    assert!(good.status.success());
+    assert!(!String::from_utf8_lossy(&good.stderr).contains("note:"));
+
+    // 64 flipped bytes in the middle of the tensor data.
+    let bytes = std::fs::read(&model).unwrap();
+    let mut damaged = bytes.clone();
+    let at = (data_start(&bytes) + bytes.len()) / 2;
+    for b in &mut damaged[at..at + 64] {
+        *b ^= 0xff;
+    }
+    let bad = dir.join("damaged.safetensors");
+    std::fs::write(&bad, &damaged).unwrap();
+    let b = bad.to_str().unwrap();
+    let init = tiny(&["--steps", "1", "--init", b]);
+    for args in [
+        vec!["eval", "--checkpoint", b],
+        vec!["sample", "--checkpoint", b, "--tokens", "2"],
+        strs(&init),
+    ] {
+        let e = fails(&args);
+        assert!(
+            e.contains(&format!(
+                "{b} is damaged: its tensors' checksum is fnv1a64:"
+            )),
+            "{args:?}: {e}"
+        );
+    }
+
+    // The same file without the checksum, as a file made elsewhere would be: accepted,
+    // with a note, and it scores the same.
+    let mut header: serde_json::Value =
+        serde_json::from_slice(&bytes[8..data_start(&bytes)]).unwrap();
+    header["__metadata__"]
+        .as_object_mut()
+        .unwrap()
+        .remove("checksum")
+        .unwrap();
+    let mut h = serde_json::to_vec(&header).unwrap();
+    while !h.len().is_multiple_of(8) {
+        h.push(b' ');
+    }
+    let mut foreign = (h.len() as u64).to_le_bytes().to_vec();
+    foreign.extend_from_slice(&h);
+    foreign.extend_from_slice(&bytes[data_start(&bytes)..]);
+    let plain = dir.join("foreign.safetensors");
+    std::fs::write(&plain, &foreign).unwrap();
+    let o = eval(&plain);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains(&format!(
+            "note: {} has no switchyard checksum",
+            plain.display()
+        )),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert_eq!(o.stdout, good.stdout);
+}

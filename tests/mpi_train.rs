@@ -222,8 +222,9 @@ fn a_rank_that_dies_mid_run_ends_the_job() {
     // Wait until the ranks are training, then kill one of them.
     let start = Instant::now();
     let victim = loop {
+        // Only this job's ranks (children of its mpirun): tests run side by side.
         let out = Command::new("pgrep")
-            .args(["-f", "switchyard train --backend mpi"])
+            .args(["-P", &child.id().to_string()])
             .output()
             .unwrap();
         let pids: Vec<u32> = String::from_utf8_lossy(&out.stdout)
@@ -255,4 +256,75 @@ fn a_rank_that_dies_mid_run_ends_the_job() {
         }
         std::thread::sleep(Duration::from_millis(100));
     }
+}
+
+/// `--comm-timeout` bounds every wait under MPI too, and wins over the environment
+/// variable (only a default): a rank that stops answering makes the others fail after
+/// 2 s, naming the timeout, although the variable says 600 s.
+#[test]
+fn comm_timeout_bounds_the_wait_under_mpi() {
+    let d = scratch("timeout");
+    let mut cmd = mpirun(
+        4,
+        &[
+            "--pp",
+            "2",
+            "--tp",
+            "2",
+            "--steps",
+            "100000",
+            "--comm-timeout",
+            "2",
+        ],
+    );
+    cmd.env("SWITCHYARD_COMM_TIMEOUT_SECS", "600")
+        .current_dir(&d);
+    let mut child = cmd
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Wait until the ranks (children of mpirun) are training, then stop one: it stays
+    // alive, so mpirun does not notice; only the others' timeout can end the job.
+    let start = Instant::now();
+    let victim = loop {
+        let out = Command::new("pgrep")
+            .args(["-P", &child.id().to_string()])
+            .output()
+            .unwrap();
+        let pids: Vec<u32> = String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter_map(|l| l.trim().parse().ok())
+            .collect();
+        if pids.len() >= 4 && start.elapsed() > Duration::from_secs(3) {
+            break pids[pids.len() - 1];
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "the ranks did not start"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    Command::new("kill")
+        .args(["-STOP", &victim.to_string()])
+        .status()
+        .unwrap();
+    let stopped = Instant::now();
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            assert!(!status.success(), "the job must fail when a rank stops");
+            break;
+        }
+        if stopped.elapsed() > Duration::from_secs(120) {
+            let _ = Command::new("kill")
+                .args(["-KILL", &victim.to_string()])
+                .status();
+            let _ = child.kill();
+            panic!("the job hung after a rank stopped: --comm-timeout 2 was not applied");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+    assert!(err.contains("timed out after 2s"), "{err}");
 }

@@ -47,13 +47,17 @@ pub struct BenchArgs {
 fn preset(a: &BenchArgs) -> anyhow::Result<Preset> {
     let mut p = Preset::named(&a.preset).map_err(anyhow::Error::msg)?;
     if let Some(s) = a.steps {
-        p.steps = s.max(1);
+        p.steps = s;
     }
     if let Some(w) = a.warmup {
         p.warmup = w;
     }
     if let Some(m) = a.microbatches {
-        p.microbatches = m.max(1);
+        p.microbatches = m;
+    }
+    p.check().map_err(anyhow::Error::msg)?;
+    if a.repeat == 0 {
+        bail!("--repeat must be at least 1: it is how many times each row runs");
     }
     Ok(p)
 }
@@ -120,7 +124,7 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
         selected.len()
     );
     let mut rows: Vec<Option<Row>> = vec![None; selected.len()];
-    for round in 0..a.repeat.max(1) {
+    for round in 0..a.repeat {
         for (slot, c) in rows.iter_mut().zip(&selected) {
             let row = match a.in_process {
                 true => run_case(&p, c)?,

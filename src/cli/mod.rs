@@ -1,7 +1,9 @@
 //! The subcommands of `switchyard`.
 
 pub mod bench;
+mod interrupt;
 pub mod model;
+mod resume;
 pub mod schedule;
 pub mod train;
 

@@ -1,11 +1,12 @@
 //! `switchyard export`, `eval` and `sample`: a trained model outside training.
 
+use std::io::Write;
 use std::path::PathBuf;
 
 use anyhow::anyhow;
 use clap::Args;
 use switchyard_train::data::Corpus;
-use switchyard_train::weights::{evaluate, sample, Weights};
+use switchyard_train::weights::{check_destination, evaluate, sample_with, Weights};
 
 /// The number of heads to assume for a weights file without switchyard metadata.
 const DEFAULT_HEADS: usize = 4;
@@ -15,14 +16,27 @@ pub struct ExportArgs {
     /// A checkpoint directory (its newest complete checkpoint) or a step-N directory
     #[arg(long)]
     checkpoint: PathBuf,
-    /// The .safetensors file to write (nanoGPT names and shapes)
+    /// The .safetensors file to write (nanoGPT names and shapes); not inside the checkpoint
     #[arg(long)]
     out: PathBuf,
+    /// Replace --out if it exists
+    #[arg(long)]
+    force: bool,
+}
+
+/// The weights at `path`, with a note on stderr when a file carries no checksum.
+fn load(path: &std::path::Path, heads: usize) -> anyhow::Result<Weights> {
+    let w = Weights::load(path, heads)?;
+    if let Some(note) = w.note(path) {
+        eprintln!("{note}");
+    }
+    Ok(w)
 }
 
 pub fn export(a: ExportArgs) -> anyhow::Result<()> {
-    let w = Weights::load(&a.checkpoint, DEFAULT_HEADS)?;
-    w.export(&a.out)?;
+    check_destination(&a.out, a.force, Some(&a.checkpoint))?;
+    let w = load(&a.checkpoint, DEFAULT_HEADS)?;
+    w.export_to(&a.out, a.force)?;
     println!(
         "wrote {} ({} tensors, {:.2}M parameters)",
         a.out.display(),
@@ -55,7 +69,12 @@ pub struct EvalArgs {
 }
 
 pub fn eval(a: EvalArgs) -> anyhow::Result<()> {
-    let w = Weights::load(&a.checkpoint, a.heads)?;
+    if a.max_windows == Some(0) {
+        return Err(anyhow!(
+            "--max-windows must be at least 1 (leave it out to evaluate every window)"
+        ));
+    }
+    let w = load(&a.checkpoint, a.heads)?;
     let corpus = match &a.data {
         Some(p) => Corpus::from_file(p).map_err(anyhow::Error::msg)?,
         None => Corpus::bundled(),
@@ -98,11 +117,22 @@ pub struct SampleArgs {
 }
 
 pub fn sample_text(a: SampleArgs) -> anyhow::Result<()> {
-    let w = Weights::load(&a.checkpoint, a.heads)?;
-    if a.temperature < 0.0 {
-        return Err(anyhow!("--temperature must be ≥ 0"));
+    if !(a.temperature.is_finite() && a.temperature >= 0.0) {
+        return Err(anyhow!(
+            "--temperature must be a number ≥ 0 (0 samples greedily), got {}",
+            a.temperature
+        ));
     }
-    let text = sample(&w, &a.prompt, a.tokens, a.temperature, a.seed)?;
-    println!("{}{}", a.prompt, text);
+    let w = load(&a.checkpoint, a.heads)?;
+    // Each piece of text as it is generated, so that a long run shows progress.
+    let mut out = std::io::stdout().lock();
+    write!(out, "{}", a.prompt)?;
+    out.flush()?;
+    sample_with(&w, &a.prompt, a.tokens, a.temperature, a.seed, |piece| {
+        out.write_all(piece.as_bytes())?;
+        out.flush()?;
+        Ok(())
+    })?;
+    writeln!(out)?;
     Ok(())
 }

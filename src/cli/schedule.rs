@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use anyhow::Context;
 use clap::Args;
 use switchyard_schedule::{generate, lower, report, Costs, Format, Program, ScheduleKind};
+use switchyard_train::MAX_SCHEDULE_PAIRS;
 
 #[derive(Args)]
 pub struct ScheduleArgs {
@@ -43,6 +44,20 @@ pub fn run(a: ScheduleArgs) -> anyhow::Result<()> {
         Some(path) => Program::load_csv(path)?,
         None => {
             let kind = ScheduleKind::from_name(&a.kind, a.virtual_stages)?;
+            let v = match kind {
+                ScheduleKind::Interleaved { virtual_stages } => virtual_stages,
+                _ => 1,
+            };
+            let pairs = a.stages.saturating_mul(v).saturating_mul(a.microbatches);
+            if pairs > MAX_SCHEDULE_PAIRS {
+                anyhow::bail!(
+                    "--stages {} × --microbatches {} (× {v} virtual stages) is more than \
+                     {MAX_SCHEDULE_PAIRS} forwards, a schedule too large to build and draw: \
+                     use fewer stages or microbatches",
+                    a.stages,
+                    a.microbatches
+                );
+            }
             generate(kind, a.stages, a.microbatches)?
         }
     };

@@ -2,7 +2,7 @@
 
 use std::path::{Path, PathBuf};
 
-use anyhow::{anyhow, Context};
+use anyhow::{anyhow, bail, Context};
 use clap::Args;
 use switchyard_models::SplitSpec;
 use switchyard_train::data::Corpus;
@@ -89,12 +89,20 @@ pub struct TrainArgs {
     /// Keep the newest K checkpoints (0: all)
     #[arg(long)]
     pub keep: Option<usize>,
-    /// Continue from the newest complete checkpoint in --checkpoint-dir (any layout)
+    /// Continue from the newest complete checkpoint in --checkpoint-dir (any layout); the
+    /// steps, learning-rate schedule and seed come from the checkpoint unless given
     #[arg(long)]
     pub resume: bool,
-    /// Continue from the checkpoint saved after STEP steps
+    /// Continue from the checkpoint saved after STEP steps (later ones are moved aside)
     #[arg(long, value_name = "STEP")]
     pub resume_from: Option<usize>,
+    /// Start a new run in a --checkpoint-dir that holds checkpoints: move them into
+    /// DIR/stale-<run id>/ (nothing is deleted)
+    #[arg(long, conflicts_with_all = ["resume", "resume_from"])]
+    pub overwrite: bool,
+    /// Resume with a --seed other than the checkpoint's (changes the data order)
+    #[arg(long)]
+    pub allow_seed_change: bool,
     /// Start from the weights in a .safetensors file with nanoGPT names (e.g. from `switchyard export` or PyTorch)
     #[arg(long, value_name = "FILE")]
     pub init: Option<PathBuf>,
@@ -127,7 +135,19 @@ const FILE_ONLY: [&str; 6] = [
     "keep",
 ];
 
-fn load_file(path: &Path) -> anyhow::Result<(TrainConfig, toml::Table)> {
+/// The [`FILE_ONLY`] keys of a TOML file, each of its one type.
+#[derive(Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileOnly {
+    data: Option<PathBuf>,
+    metrics: Option<PathBuf>,
+    trace: Option<PathBuf>,
+    checkpoint_dir: Option<PathBuf>,
+    save_every: Option<usize>,
+    keep: Option<usize>,
+}
+
+fn load_file(path: &Path) -> anyhow::Result<(TrainConfig, FileOnly)> {
     let text = std::fs::read_to_string(path)
         .with_context(|| format!("cannot read --config {}", path.display()))?;
     let mut table: toml::Table = text
@@ -139,19 +159,46 @@ fn load_file(path: &Path) -> anyhow::Result<(TrainConfig, toml::Table)> {
             extra.insert(k.into(), v);
         }
     }
-    let cfg: TrainConfig = toml::Value::Table(table)
-        .try_into()
-        .with_context(|| format!("--config {}", path.display()))?;
+    let file_error = |e: toml::de::Error| anyhow!("--config {}: {}", path.display(), explain(&e));
+    let extra: FileOnly = toml::Value::Table(extra).try_into().map_err(file_error)?;
+    let cfg: TrainConfig = toml::Value::Table(table).try_into().map_err(file_error)?;
     Ok((cfg, extra))
+}
+
+/// A TOML error as "key `k`: what is wrong, expected what", with TOML's names for types.
+fn explain(e: &toml::de::Error) -> String {
+    let text = e.to_string();
+    let (msg, key) = match text.trim_end().rsplit_once("\nin `") {
+        Some((m, k)) => (
+            m.trim_end().to_string(),
+            Some(k.trim_end_matches('`').to_string()),
+        ),
+        None => (text.trim_end().to_string(), None),
+    };
+    let mut msg = msg
+        .replace("expected usize", "expected a non-negative integer")
+        .replace("expected u64", "expected a non-negative integer")
+        .replace("expected f64", "expected a number")
+        .replace("expected path string", "expected a string (a path)")
+        .replace("integer `-", "negative integer `-");
+    if msg.starts_with("unknown field") && key.is_none() {
+        msg = format!(
+            "{msg}, or one of the file-only keys {}",
+            FILE_ONLY.map(|k| format!("`{k}`")).join(", ")
+        );
+    }
+    match key {
+        Some(k) => format!("key `{k}`: {msg}"),
+        None => msg,
+    }
 }
 
 /// The configuration and options `a` describes.
 pub fn resolve(a: &TrainArgs) -> anyhow::Result<(TrainConfig, Option<PathBuf>, TrainOptions)> {
     let (mut c, file) = match &a.config {
         Some(p) => load_file(p)?,
-        None => (TrainConfig::default(), toml::Table::new()),
+        None => (TrainConfig::default(), FileOnly::default()),
     };
-    let path = |k: &str| file.get(k).and_then(|v| v.as_str()).map(PathBuf::from);
     macro_rules! set {
         ($($flag:ident => $($field:ident).+),* $(,)?) => {
             $(if let Some(v) = a.$flag.clone() { c.$($field).+ = v; })*
@@ -166,6 +213,38 @@ pub fn resolve(a: &TrainArgs) -> anyhow::Result<(TrainConfig, Option<PathBuf>, T
     if a.tied {
         c.model.tied_embeddings = true;
     }
+    let resume = match (a.resume, a.resume_from) {
+        (_, Some(s)) => Some(Resume::Step(s)),
+        (true, None) => Some(Resume::Latest),
+        (false, None) => None,
+    };
+    let checkpoint_dir = a.checkpoint_dir.clone().or(file.checkpoint_dir);
+    if checkpoint_dir.is_none() {
+        // Both only matter when checkpoints are saved: without a directory they would
+        // silently do nothing.
+        let config = a.config.clone().unwrap_or_default();
+        let from = |flag: &str, key: &str, flag_set: bool, v: usize| match flag_set {
+            true => format!("{flag} {v}"),
+            false => format!("`{key} = {v}` in --config {}", config.display()),
+        };
+        if let Some(n) = a.save_every.or(file.save_every) {
+            bail!(
+                "{} needs --checkpoint-dir (or `checkpoint_dir` in --config): without a \
+                 checkpoint directory nothing is saved",
+                from("--save-every", "save_every", a.save_every.is_some(), n)
+            );
+        }
+        if let Some(n) = a.keep.or(file.keep) {
+            bail!(
+                "{} needs --checkpoint-dir (or `checkpoint_dir` in --config): it says how \
+                 many saved checkpoints to keep",
+                from("--keep", "keep", a.keep.is_some(), n)
+            );
+        }
+    }
+    if let (Some(r), Some(dir)) = (resume, &checkpoint_dir) {
+        super::resume::restore(&mut c, a, dir, r)?;
+    }
     // Interleaving with one chunk per rank is plain 1F1B: default to two.
     if c.schedule == "interleaved" && a.virtual_stages.is_none() && c.virtual_stages == 1 {
         c.virtual_stages = 2;
@@ -176,27 +255,20 @@ pub fn resolve(a: &TrainArgs) -> anyhow::Result<(TrainConfig, Option<PathBuf>, T
     if a.seq_len.is_some() && c.model.block_size < c.seq_len {
         c.model.block_size = c.seq_len;
     }
-    let int = |k: &str| {
-        file.get(k)
-            .and_then(|v| v.as_integer())
-            .map(|v| v.max(0) as usize)
-    };
-    let resume = match (a.resume, a.resume_from) {
-        (_, Some(s)) => Some(Resume::Step(s)),
-        (true, None) => Some(Resume::Latest),
-        (false, None) => None,
-    };
     let opts = TrainOptions {
-        metrics: a.metrics.clone().or_else(|| path("metrics")),
-        trace: a.trace.clone().or_else(|| path("trace")),
+        metrics: a.metrics.clone().or(file.metrics),
+        trace: a.trace.clone().or(file.trace),
         progress: !a.quiet,
-        checkpoint_dir: a.checkpoint_dir.clone().or_else(|| path("checkpoint_dir")),
-        save_every: a.save_every.or_else(|| int("save_every")).unwrap_or(0),
-        keep: a.keep.or_else(|| int("keep")).unwrap_or(3),
+        checkpoint_dir,
+        save_every: a.save_every.or(file.save_every).unwrap_or(0),
+        keep: a.keep.or(file.keep).unwrap_or(3),
         resume,
         init: a.init.clone(),
+        overwrite: a.overwrite,
+        allow_seed_change: a.allow_seed_change,
+        stop: None,
     };
-    Ok((c, a.data.clone().or_else(|| path("data")), opts))
+    Ok((c, a.data.clone().or(file.data), opts))
 }
 
 pub fn run(a: TrainArgs) -> anyhow::Result<()> {
@@ -222,11 +294,20 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
             .and_then(|v| v.parse().ok())
             .unwrap_or(1),
     };
-    let threads = match cfg.threads_per_worker {
-        0 => switchyard_comm::threads::default_threads_per_worker(local_workers),
-        n => n,
-    };
+    // This machine's threads and memory, before any worker starts.
+    let threads = cfg
+        .check_machine(local_workers)
+        .map_err(|e| anyhow!("invalid configuration: {e}"))?;
     super::set_gemm_threads(threads);
+    // On threads, Ctrl-C and SIGTERM stop the run after the current step, with a save.
+    // Under mpirun the signals belong to mpirun: it sends SIGTERM to end the job when a
+    // rank fails (and forwards a Ctrl-C the same way), so a rank must not take it as a
+    // request to finish its step with peers that are gone.
+    let signals = match a.backend {
+        Backend::Local => Some(super::interrupt::install()?),
+        Backend::Mpi => None,
+    };
+    opts.stop = signals.as_ref().map(|s| std::sync::Arc::clone(&s.stop));
     if rank0 {
         eprintln!(
             "switchyard: GPT {} layers × d {} ({:.2}M parameters) on {} ({} bytes); {} workers: dp {} × pp {} × tp {}, {} with {} microbatches",
@@ -260,6 +341,12 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
     if let Some(p) = &opts.checkpoint_dir {
         println!("checkpoints: {}", p.display());
     }
+    if let Some(signals) = signals.as_ref().filter(|_| report.interrupted) {
+        let code = signals.report(&report, cfg.steps, opts.checkpoint_dir.as_deref());
+        use std::io::Write;
+        let _ = std::io::stdout().flush();
+        std::process::exit(code);
+    }
     Ok(())
 }
 
@@ -272,7 +359,11 @@ fn run_mpi(
     opts: &TrainOptions,
     threads: usize,
 ) -> anyhow::Result<Option<switchyard_train::TrainReport>> {
-    let world = switchyard_comm::mpi::init()?;
+    // `--comm-timeout` / `comm_timeout_secs` bounds every wait, as on threads; being
+    // explicit, it wins over SWITCHYARD_COMM_TIMEOUT_SECS (the default of `mpi::init` only).
+    let world = switchyard_comm::mpi::init_with(switchyard_comm::mpi::MpiConfig {
+        timeout: std::time::Duration::from_secs_f64(cfg.comm_timeout_secs),
+    })?;
     let pool = switchyard_comm::threads::worker_pool(threads).map_err(anyhow::Error::msg)?;
     match pool.install(|| train_rank(world, cfg, corpus, opts)) {
         Ok(report) => Ok(report),

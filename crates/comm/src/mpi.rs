@@ -14,7 +14,8 @@
 //!   (`MPI_Isend`, `MPI_Improbe`/`MPI_Imrecv`, `MPI_Iallgather`, `MPI_Ialltoallv`, …) and
 //!   completed by polling `MPI_Test*`: a short spin (yielding the core), then short sleeps.
 //!   So every wait is bounded by the timeout of [`MpiConfig`] (default 300 s, as the local
-//!   backend; `SWITCHYARD_COMM_TIMEOUT_SECS` overrides it) and ends with
+//!   backend; [`init`] takes it from `SWITCHYARD_COMM_TIMEOUT_SECS` when that is set,
+//!   [`init_with`] uses the configuration it is given) and ends with
 //!   [`CommError::Timeout`] naming the operation, the rank and the peer or group. After a
 //!   timeout the process's communicators refuse further work (`PeerFailed` naming the
 //!   rank that timed out), as the local backend's do: MPI may still own buffers of the
@@ -75,21 +76,57 @@ mod runtime;
 #[cfg(feature = "mpi")]
 mod wire;
 
-/// The environment variable that overrides [`MpiConfig::timeout`] at [`init`]
-/// (seconds, decimals allowed).
+/// The environment variable that gives the timeout of [`init`] (seconds, decimals
+/// allowed): a default only. A timeout passed explicitly ([`init_with`]) wins over it.
 pub const TIMEOUT_ENV: &str = "SWITCHYARD_COMM_TIMEOUT_SECS";
 
 /// How the MPI backend is set up.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MpiConfig {
     /// Bounds every blocking receive and collective (and the drain of unfinished sends
-    /// when a communicator is dropped). [`TIMEOUT_ENV`] overrides it.
+    /// when a communicator is dropped). [`init_with`] uses it as given; [`TIMEOUT_ENV`]
+    /// is consulted only by [`MpiConfig::from_env`] (and so by [`init`]).
     pub timeout: Duration,
 }
 
 impl MpiConfig {
     /// The default bound on one blocking operation, as the local backend's.
     pub const DEFAULT_TIMEOUT: Duration = crate::local::Launcher::DEFAULT_TIMEOUT;
+
+    /// The configuration [`init`] uses: the timeout from [`TIMEOUT_ENV`] when it is set,
+    /// else [`MpiConfig::DEFAULT_TIMEOUT`].
+    ///
+    /// Errors: [`CommError::Invalid`] when the variable is not a positive number of seconds.
+    pub fn from_env() -> Result<MpiConfig> {
+        let env = std::env::var(TIMEOUT_ENV).ok();
+        let timeout =
+            resolve_timeout(None, env.as_deref()).map_err(|reason| CommError::Invalid {
+                op: "mpi::init",
+                rank: launcher_rank().unwrap_or(0),
+                reason,
+            })?;
+        Ok(MpiConfig { timeout })
+    }
+}
+
+/// The timeout MPI runs with: `explicit` when given (the environment is then not read at
+/// all), else the value of [`TIMEOUT_ENV`] (`env`), else the default.
+fn resolve_timeout(
+    explicit: Option<Duration>,
+    env: Option<&str>,
+) -> std::result::Result<Duration, String> {
+    if let Some(t) = explicit {
+        return Ok(t);
+    }
+    let Some(v) = env else {
+        return Ok(MpiConfig::DEFAULT_TIMEOUT);
+    };
+    match v.trim().parse::<f64>() {
+        Ok(s) if s.is_finite() && s > 0.0 => Ok(Duration::from_secs_f64(s)),
+        _ => Err(format!(
+            "{TIMEOUT_ENV}={v:?} is not a positive number of seconds"
+        )),
+    }
 }
 
 impl Default for MpiConfig {
@@ -107,9 +144,12 @@ pub const fn is_available() -> bool {
 
 /// Initialises MPI and returns the world communicator of this process.
 ///
-/// Same as [`init_with`] with the default [`MpiConfig`].
+/// Same as [`init_with`] with [`MpiConfig::from_env`]: the timeout is [`TIMEOUT_ENV`]'s
+/// when that is set, else the default (300 s).
+///
+/// Errors: as [`init_with`], and [`CommError::Invalid`] for a malformed [`TIMEOUT_ENV`].
 pub fn init() -> Result<Arc<dyn Communicator>> {
-    init_with(MpiConfig::default())
+    init_with(MpiConfig::from_env()?)
 }
 
 /// Initialises MPI (asking for `MPI_THREAD_MULTIPLE`) and returns the world communicator
@@ -119,8 +159,11 @@ pub fn init() -> Result<Arc<dyn Communicator>> {
 /// (with the first call's configuration). MPI is finalised when the last communicator is
 /// dropped and cannot be initialised again.
 ///
-/// Errors: [`CommError::Unavailable`] without the `mpi` feature; [`CommError::Invalid`]
-/// for a malformed [`TIMEOUT_ENV`]; [`CommError::Backend`] when MPI cannot start.
+/// The configuration is used as given: [`TIMEOUT_ENV`] does not override it (it is only
+/// the default of [`init`]).
+///
+/// Errors: [`CommError::Unavailable`] without the `mpi` feature; [`CommError::Backend`]
+/// when MPI cannot start.
 pub fn init_with(config: MpiConfig) -> Result<Arc<dyn Communicator>> {
     #[cfg(feature = "mpi")]
     {
@@ -181,22 +224,6 @@ fn unavailable() -> CommError {
     )
 }
 
-/// The timeout from [`TIMEOUT_ENV`], if set.
-#[cfg_attr(not(feature = "mpi"), allow(dead_code))]
-fn timeout_from_env(rank: usize) -> Result<Option<Duration>> {
-    let Ok(v) = std::env::var(TIMEOUT_ENV) else {
-        return Ok(None);
-    };
-    match v.trim().parse::<f64>() {
-        Ok(s) if s.is_finite() && s > 0.0 => Ok(Some(Duration::from_secs_f64(s))),
-        _ => Err(CommError::Invalid {
-            op: "mpi::init",
-            rank,
-            reason: format!("{TIMEOUT_ENV}={v:?} is not a positive number of seconds"),
-        }),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -204,6 +231,30 @@ mod tests {
     #[test]
     fn default_timeout_matches_the_local_backend() {
         assert_eq!(MpiConfig::default().timeout, Duration::from_secs(300));
+    }
+
+    #[test]
+    fn an_explicit_timeout_wins_over_the_environment() {
+        let five = Duration::from_secs(5);
+        assert_eq!(resolve_timeout(Some(five), Some("30")), Ok(five));
+        // The variable is not even read when the timeout is explicit.
+        assert_eq!(resolve_timeout(Some(five), Some("soon")), Ok(five));
+    }
+
+    #[test]
+    fn the_environment_is_the_default_timeout() {
+        assert_eq!(
+            resolve_timeout(None, Some(" 1.5 ")),
+            Ok(Duration::from_millis(1500))
+        );
+        assert_eq!(resolve_timeout(None, None), Ok(MpiConfig::DEFAULT_TIMEOUT));
+        for bad in ["soon", "0", "-3", "nan", "inf", ""] {
+            let e = resolve_timeout(None, Some(bad)).unwrap_err();
+            assert!(
+                e.contains(TIMEOUT_ENV) && e.contains("positive"),
+                "{bad}: {e}"
+            );
+        }
     }
 
     #[cfg(not(feature = "mpi"))]

@@ -58,6 +58,13 @@ impl GptConfig {
         if vocab_size == 0 || block_size == 0 || n_layer == 0 || n_head == 0 || d_model == 0 {
             return Err(format!("every model dimension must be positive: {self:?}"));
         }
+        if self.checked_param_count().is_none() {
+            return Err(format!(
+                "the model is too large: its parameter count (d_model {d_model}, {n_layer} layers, \
+                 vocabulary {vocab_size}, block size {block_size}) overflows a {}-bit count",
+                usize::BITS
+            ));
+        }
         if d_model % n_head != 0 {
             return Err(format!(
                 "d_model {d_model} does not divide into {n_head} heads; choose d_model a multiple of the heads"
@@ -71,23 +78,36 @@ impl GptConfig {
     }
 
     /// Parameters of one transformer block: two LayerNorms, qkv, attention output and
-    /// the MLP (4× hidden), all with biases.
+    /// the MLP (4× hidden), all with biases. Saturates at `usize::MAX` for an absurd
+    /// width ([`GptConfig::validate`] refuses such a model).
     pub fn block_params(&self) -> usize {
-        let d = self.d_model;
-        2 * 2 * d + (3 * d * d + 3 * d) + (d * d + d) + (4 * d * d + 4 * d) + (4 * d * d + d)
+        self.checked_block_params().unwrap_or(usize::MAX)
     }
 
-    /// All parameters (counting a tied table once).
-    pub fn param_count(&self) -> usize {
+    fn checked_block_params(&self) -> Option<usize> {
         let d = self.d_model;
-        let emb = self.vocab_size * d + self.block_size * d;
-        let head = 2 * d
-            + if self.tied_embeddings {
-                0
-            } else {
-                self.vocab_size * d
-            };
-        emb + self.n_layer * self.block_params() + head
+        // 12 d² weights and 13 d biases and norms: 4d + (3d² + 3d) + (d² + d) + (4d² + 4d) + (4d² + d).
+        d.checked_mul(d)?
+            .checked_mul(12)?
+            .checked_add(d.checked_mul(13)?)
+    }
+
+    /// All parameters (counting a tied table once). Saturates at `usize::MAX` for a
+    /// model too large to count ([`GptConfig::validate`] refuses it).
+    pub fn param_count(&self) -> usize {
+        self.checked_param_count().unwrap_or(usize::MAX)
+    }
+
+    /// All parameters, or `None` if the count overflows.
+    pub fn checked_param_count(&self) -> Option<usize> {
+        let d = self.d_model;
+        let tables = match self.tied_embeddings {
+            true => self.vocab_size,
+            false => self.vocab_size.checked_mul(2)?,
+        };
+        let emb = tables.checked_add(self.block_size)?.checked_mul(d)?;
+        let blocks = self.n_layer.checked_mul(self.checked_block_params()?)?;
+        emb.checked_add(blocks)?.checked_add(d.checked_mul(2)?)
     }
 
     /// Every parameter's nanoGPT name and full shape, in the order the model creates
@@ -191,6 +211,19 @@ mod tests {
         let count: usize = shapes.values().map(|s| s.iter().product::<usize>()).sum();
         assert_eq!(count, c.param_count());
         assert_eq!(GptConfig::infer(&shapes, c.n_head).unwrap(), c);
+    }
+
+    #[test]
+    fn a_parameter_count_that_overflows_is_refused() {
+        let mut c = GptConfig::tiny(2);
+        c.d_model = 1 << 40;
+        c.n_head = 1;
+        assert_eq!(c.checked_param_count(), None);
+        assert_eq!(c.param_count(), usize::MAX);
+        assert!(c.validate().unwrap_err().contains("the model is too large"));
+        let mut c = GptConfig::tiny(2);
+        c.n_layer = usize::MAX / 2;
+        assert!(c.validate().unwrap_err().contains("overflows"));
     }
 
     #[test]

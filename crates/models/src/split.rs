@@ -150,7 +150,12 @@ fn check_counts(counts: &[usize], n_layer: usize, num_stages: usize) -> Result<(
             SplitSpec::Counts(counts.to_vec())
         ));
     }
-    let total: usize = counts.iter().sum();
+    let Some(total) = counts.iter().try_fold(0usize, |t, &c| t.checked_add(c)) else {
+        return Err(format!(
+            "the split {} asks for more layers than the model's {n_layer}",
+            SplitSpec::Counts(counts.to_vec())
+        ));
+    };
     if total < n_layer {
         return Err(format!(
             "the split {} covers {total} layers but the model has {n_layer}: layers {total}..{n_layer} would be dropped",
@@ -261,6 +266,13 @@ mod tests {
         assert!(e.contains("leaves stage 1 without layers"), "{e}");
         let e = plan_stages(5, 3, &"3,2".parse().unwrap(), &FLAT).unwrap_err();
         assert!(e.contains("gives 2 stages but the pipeline has 3"), "{e}");
+        // Counts whose sum overflows are refused, not added up.
+        let split = "18446744073709551615,1".parse().unwrap();
+        let e = plan_stages(5, 2, &split, &FLAT).unwrap_err();
+        assert!(
+            e.contains("the split 18446744073709551615,1 asks for more layers than the model's 5"),
+            "{e}"
+        );
     }
 
     #[test]

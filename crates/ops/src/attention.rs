@@ -11,13 +11,16 @@
 //! * `dv = Pᵀ·dO`, `dP = dO·vᵀ`, `Dᵢ = Σ_d dOᵢ·Oᵢ`, `dS = P ⊙ (dP − D)`,
 //!   `dq = dS·k/√hd`, `dk = dSᵀ·q/√hd`.
 
+use std::mem::MaybeUninit;
 use std::sync::OnceLock;
 
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp1, DType, Device, Layout, Result, Shape, Tensor, D};
 use rayon::prelude::*;
 
-use crate::kernel::{self, dot, max, simd, slice, sum, uninit, view, Float, Mat, SharedMut};
+use crate::kernel::{
+    self, dot, matmul, matmul_raw, max, simd, slice, sum, view, Dst, Float, Mat, SharedMut, Uninit,
+};
 
 /// `softmax(q · kᵀ / √hd + M) · v` for `q`, `k`, `v` of shape `(B, H, T, hd)`, where the
 /// additive causal mask `M` is 0 where the key position is at or before the query
@@ -60,11 +63,15 @@ pub fn causal_self_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tenso
 /// `q | k | v`, each made of `n_head` contiguous heads of `hd` (the layout of GPT's
 /// `c_attn` output). Returns `[B, T, H·hd]`, head `h` in columns `h·hd..(h+1)·hd` (the
 /// input layout of the output projection). `f32` and `f64` only.
+///
+/// An empty sequence (`T = 0`) or batch (`B = 0`) gives an empty output `[B, T, H·hd]`
+/// (and an empty gradient): there are no query positions to attend from. `head_dim`
+/// must be at least 1.
 pub fn causal_attention_packed(qkv: &Tensor, n_head: usize) -> Result<Tensor> {
     let (_, _, c) = qkv.dims3()?;
-    if n_head == 0 || c % (3 * n_head) != 0 {
+    if n_head == 0 || c == 0 || c % (3 * n_head) != 0 {
         bail!(
-            "causal_attention_packed: the last dim of qkv {:?} must be 3 × n_head ({n_head}) × head_dim",
+            "causal_attention_packed: the last dim of qkv {:?} must be 3 × n_head ({n_head}) × head_dim, with n_head and head_dim at least 1",
             qkv.dims()
         );
     }
@@ -118,6 +125,21 @@ impl Geo {
         self.offsets(bi, hi)
             .map(|o| Mat::rows(&x[o..], 3 * self.dl()))
     }
+    /// That the packed input holds `len` elements: exactly `b·t` rows of `3·h·hd` (the
+    /// output and the input gradient are written through raw pointers from this geometry,
+    /// and must be written whole).
+    fn check(&self, len: usize, what: &str) -> Result<()> {
+        if self.hd == 0 || len != self.b * self.t * 3 * self.dl() {
+            bail!(
+                "switchyard-causal-attention: {what} of {len} elements for B = {}, T = {}, {} heads of {}",
+                self.b,
+                self.t,
+                self.h,
+                self.hd
+            )
+        }
+        Ok(())
+    }
     /// Offset of pair `(bi, hi)` in the output (row stride `dl`).
     fn out(&self, bi: usize, hi: usize) -> usize {
         bi * self.t * self.dl() + hi * self.hd
@@ -136,7 +158,7 @@ fn width(i: usize, t: usize) -> usize {
 simd! {
     /// One row of the causal softmax, portable: `live[j] = exp(scale·live[j] − m) / z` for
     /// `j < n`, 0 after; returns the log-sum-exp `m + ln z`.
-    fn softmax_row_portable<T>(live: &mut [T], n: usize, scale: f64) -> T {
+    pub(crate) fn softmax_row_portable<T>(live: &mut [T], n: usize, scale: f64) -> T {
         let scale = T::from_f64(scale);
         live[n..].fill(T::NEG_INF);
         let m = max(live) * scale;
@@ -157,7 +179,7 @@ simd! {
     /// One row of the causal softmax's backward, portable: `row` holds the scores and
     /// becomes `P = exp(scale·s − lse)`, `drow` holds `dP` and becomes
     /// `dS = scale · P ⊙ (dP − D)`, for `j < n`; both 0 after.
-    fn softmax_row_bwd_portable<T>(row: &mut [T], drow: &mut [T], n: usize, scale: f64, lse: T, dsum: T) {
+    pub(crate) fn softmax_row_bwd_portable<T>(row: &mut [T], drow: &mut [T], n: usize, scale: f64, lse: T, dsum: T) {
         let scale = T::from_f64(scale);
         row[n..].fill(T::NEG_INF);
         for (p, d) in row.iter_mut().zip(drow.iter_mut()) {
@@ -172,10 +194,16 @@ simd! {
 /// The causal softmax of the `t × t` scores `s` (row stride `ld`), row by row over each
 /// row's [`width`]; records each row's log-sum-exp. Rows go through [`crate::avx512`]'s
 /// kernel where it runs.
-fn softmax_causal<T: Float>(s: &mut [T], t: usize, ld: usize, scale: f64, lse: &mut [T]) {
+fn softmax_causal<T: Float>(
+    s: &mut [T],
+    t: usize,
+    ld: usize,
+    scale: f64,
+    lse: &mut [MaybeUninit<T>],
+) {
     for (i, row) in s.chunks_exact_mut(ld).take(t).enumerate() {
         let (live, dead) = row[..t].split_at_mut(width(i, t));
-        lse[i] = match kernel::avx512_f32_mut(live) {
+        let l = match kernel::avx512_f32_mut(live) {
             // SAFETY: `avx512_f32_mut` only answers on CPUs with AVX-512; 1 ≤ i + 1 ≤ width.
             #[cfg(target_arch = "x86_64")]
             Some(live) => {
@@ -183,6 +211,7 @@ fn softmax_causal<T: Float>(s: &mut [T], t: usize, ld: usize, scale: f64, lse: &
             }
             _ => softmax_row_portable(live, i + 1, scale),
         };
+        lse[i].write(l);
         dead.fill(T::zero());
     }
 }
@@ -238,13 +267,22 @@ impl Attention {
 
     fn forward<T: Float>(&self, qkv: &[T], g: Geo) -> Result<Vec<T>> {
         let (t, dl) = (g.t, g.dl());
-        let mut y = uninit::<T>(g.b * t * dl)?;
-        let mut lse = uninit::<T>(g.b * g.h * t)?;
+        g.check(qkv.len(), "input")?;
+        if g.b * t == 0 {
+            // No positions: an empty output (and nothing for the backward to use).
+            let _ = self.lse.set(T::to_cpu_storage_owned(Vec::new()));
+            return Ok(Vec::new());
+        }
+        let mut y = Uninit::<T>::new(g.b * t * dl)?;
+        let mut lse = Uninit::<T>::new(g.b * g.h * t)?;
         let out = SharedMut(y.as_mut_ptr());
-        lse.par_chunks_mut(t).enumerate().for_each_init(
+        lse.as_mut().par_chunks_mut(t).enumerate().for_each_init(
             || vec![T::zero(); scratch_len(g, false)],
             |scratch, (pair, lse)| forward_pair(qkv, g, pair, scratch, lse, out),
         );
+        // SAFETY: every pair wrote the log-sum-exp of each of its `t` rows, and its `t`
+        // rows × `hd` columns of `y`: together every element of both.
+        let (y, lse) = unsafe { (y.assume_init(), lse.assume_init()) };
         let _ = self.lse.set(T::to_cpu_storage_owned(lse));
         Ok(y)
     }
@@ -265,13 +303,19 @@ impl Attention {
             bail!("switchyard-causal-attention: backward before forward")
         };
         let lse = T::cpu_storage_as_slice(lse)?;
-        let mut dx = uninit::<T>(x.len())?;
+        g.check(x.len(), "input")?;
+        if g.b * g.t == 0 {
+            return Ok(Vec::new());
+        }
+        let mut dx = Uninit::<T>::new(x.len())?;
         let dst = SharedMut(dx.as_mut_ptr());
         (0..g.b * g.h).into_par_iter().for_each_init(
             || vec![T::zero(); scratch_len(g, true)],
             |scratch, pair| backward_pair(x, o, d_o, lse, g, pair, scratch, dst),
         );
-        Ok(dx)
+        // SAFETY: every pair wrote its q, k and v columns of each of its `t` rows:
+        // together every element of `dx`.
+        Ok(unsafe { dx.assume_init() })
     }
 }
 
@@ -334,31 +378,23 @@ fn transpose<T: Float>(x: Mat<T>, t: usize, hd: usize, dst: &mut [T]) {
         // SAFETY: `avx512_f32` only answers on CPUs with AVX-512; the sizes were checked.
         return unsafe { crate::avx512::transpose(src, x.rs, t, hd, dst, t) };
     }
-    for (j, row) in src.chunks(x.rs).take(t).enumerate() {
-        for (d, &v) in row[..hd].iter().enumerate() {
-            dst[d * t + j] = v;
-        }
-    }
+    transpose_portable(src, x.rs, t, hd, dst)
 }
 
-/// The product of [`kernel::matmul`] into a strided destination shared between tasks.
-///
-/// # Safety
-/// `dst` must be valid for rows `0..m` of stride `ld` and columns `0..n`, and no other
-/// task may touch those elements meanwhile.
-#[allow(clippy::too_many_arguments)]
-unsafe fn matmul_into<T: Float>(
-    m: usize,
-    n: usize,
-    k: usize,
-    dst: *mut T,
-    ld: usize,
-    a: Mat<T>,
-    b: Mat<T>,
+/// The portable twin of [`crate::avx512::transpose`]: `dst` (`cols × rows`, row stride
+/// `rows`) `= srcᵀ` for `src` `rows × cols` of row stride `rs`.
+pub(crate) fn transpose_portable<T: Float>(
+    src: &[T],
+    rs: usize,
+    rows: usize,
+    cols: usize,
+    dst: &mut [T],
 ) {
-    let len = (m - 1) * ld + n;
-    let d = std::slice::from_raw_parts_mut(dst, len);
-    kernel::matmul(m, n, k, d, ld, false, a, b, false);
+    for (j, row) in src.chunks(rs).take(rows).enumerate() {
+        for (d, &v) in row[..cols].iter().enumerate() {
+            dst[d * rows + j] = v;
+        }
+    }
 }
 
 /// Forward of one (batch, head) pair: scores, causal softmax (recording the log-sum-exp),
@@ -368,7 +404,7 @@ fn forward_pair<T: Float>(
     g: Geo,
     pair: usize,
     scratch: &mut [T],
-    lse: &mut [T],
+    lse: &mut [MaybeUninit<T>],
     out: SharedMut<T>,
 ) {
     let (t, hd, dl) = (g.t, g.hd, g.dl());
@@ -384,15 +420,27 @@ fn forward_pair<T: Float>(
             data: &qm.data[r0 * ld..],
             ..qm
         };
-        kernel::matmul(r1 - r0, r1, hd, &mut s[r0 * t..], t, false, qb, kt, false);
+        matmul(
+            r1 - r0,
+            r1,
+            hd,
+            Dst::Set(&mut s[r0 * t..]),
+            t,
+            qb,
+            kt,
+            false,
+        );
     }
     softmax_causal(s, t, t, g.scale, lse);
     for (r0, r1) in blocks(t) {
         let pb = Mat::rows(&s[r0 * t..], t);
-        // SAFETY: pair (bi, hi) owns columns hi·hd.. of rows bi·t.. of the output.
+        // SAFETY: the output holds `b·t` rows of `dl`, and this pair alone writes the
+        // columns `hi·hd..(hi + 1)·hd` of its rows `bi·t..(bi + 1)·t` (here rows r0..r1),
+        // through raw pointers only ([`SharedMut`]); nothing reads them until all pairs
+        // are done, and the output is its own allocation.
         unsafe {
             let dst = out.ptr().add(g.out(bi, hi) + r0 * dl);
-            matmul_into(r1 - r0, hd, r1, dst, dl, pb, vm);
+            matmul_raw(r1 - r0, hd, r1, dst, dl, false, pb, vm, false);
         }
     }
 }
@@ -447,8 +495,26 @@ fn backward_pair<T: Float>(
             data: &dom.data[r0 * dl..],
             ..dom
         };
-        kernel::matmul(r1 - r0, r1, hd, &mut s[r0 * t..], t, false, qb, kt, false);
-        kernel::matmul(r1 - r0, r1, hd, &mut dp[r0 * t..], t, false, db, vt, false);
+        matmul(
+            r1 - r0,
+            r1,
+            hd,
+            Dst::Set(&mut s[r0 * t..]),
+            t,
+            qb,
+            kt,
+            false,
+        );
+        matmul(
+            r1 - r0,
+            r1,
+            hd,
+            Dst::Set(&mut dp[r0 * t..]),
+            t,
+            db,
+            vt,
+            false,
+        );
     }
     softmax_causal_bwd(s, dp, t, t, g.scale, &lse[pair * t..(pair + 1) * t], dsum);
     let (s, dp) = (&*s, &*dp);
@@ -466,12 +532,17 @@ fn backward_pair<T: Float>(
         };
         let ds_r = Mat::rows(&dp[c0 * t..], t);
         let (w, n) = (c1 - c0, t - c0);
-        // SAFETY: pair (bi, hi) owns its q, k and v columns of rows bi·t.. of dx.
+        // SAFETY: `dx` has the packed input's `b·t` rows of `3·dl`, and this pair alone
+        // writes its q, k and v columns (`hd` each at offsets q, k, v) of its rows
+        // `bi·t..(bi + 1)·t` (here rows c0..c1), through raw pointers only
+        // ([`SharedMut`]); nothing reads them until all pairs are done, and `dx` is its
+        // own allocation.
         unsafe {
-            matmul_into(w, hd, n, dst.ptr().add(v + c0 * ld), ld, p_t, do_b);
-            matmul_into(w, hd, n, dst.ptr().add(k + c0 * ld), ld, ds_t, q_b);
+            let d = dst.ptr();
+            matmul_raw(w, hd, n, d.add(v + c0 * ld), ld, false, p_t, do_b, false);
+            matmul_raw(w, hd, n, d.add(k + c0 * ld), ld, false, ds_t, q_b, false);
             // Queries c0..c1 (a row block) see keys 0..c1.
-            matmul_into(w, hd, c1, dst.ptr().add(q + c0 * ld), ld, ds_r, km);
+            matmul_raw(w, hd, c1, d.add(q + c0 * ld), ld, false, ds_r, km, false);
         }
     }
 }
@@ -500,3 +571,6 @@ impl CustomOp1 for Attention {
         Ok(Some(d))
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -5,11 +5,13 @@
 //! * `gelu(x)  = 0.5 · x · (1 + t)`
 //! * `gelu'(x) = 0.5 · (1 + t) + 0.5 · x · (1 − t²) · c · (1 + 3a·x²)`
 
+use std::mem::MaybeUninit;
+
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use crate::kernel::{self, simd, uninit, Float};
+use crate::kernel::{self, simd, Float, Uninit};
 
 const C: f64 = 0.797_884_560_802_865_4; // √(2/π)
 const A: f64 = 0.044_715;
@@ -32,32 +34,39 @@ pub fn gelu(x: &Tensor) -> Result<Tensor> {
 
 simd! {
     /// `y = gelu(x)`, element-wise.
-    fn gelu_kernel<T>(x: &[T], y: &mut [T]) {
+    fn gelu_kernel<T>(x: &[T], y: &mut [MaybeUninit<T>]) {
         let (c, a, half) = (T::from_f64(C), T::from_f64(A), T::from_f64(0.5));
         for (y, &x) in y.iter_mut().zip(x) {
-            *y = half * x * (T::one() + (c * (x + a * x * x * x)).tanh());
+            y.write(half * x * (T::one() + (c * (x + a * x * x * x)).tanh()));
         }
     }
 }
 
 simd! {
     /// `dx = g · gelu'(x)`, element-wise.
-    fn gelu_grad_kernel<T>(x: &[T], g: &[T], dx: &mut [T]) {
+    fn gelu_grad_kernel<T>(x: &[T], g: &[T], dx: &mut [MaybeUninit<T>]) {
         let (c, a, half) = (T::from_f64(C), T::from_f64(A), T::from_f64(0.5));
         let three_a = T::from_f64(3.0 * A);
         for ((d, &x), &g) in dx.iter_mut().zip(x).zip(g) {
             let t = (c * (x + a * x * x * x)).tanh();
             let dt = (T::one() - t * t) * c * (T::one() + three_a * x * x);
-            *d = g * (half * (T::one() + t) + half * x * dt);
+            d.write(g * (half * (T::one() + t) + half * x * dt));
         }
     }
 }
 
-/// The portable kernels on one thread, for comparison with [`crate::avx512`]'s.
+/// The portable kernels on one thread, for comparison with [`crate::avx512`]'s:
+/// `(gelu(x), g · gelu′(x))`.
 #[cfg(test)]
-pub(crate) fn portable(x: &[f32], g: &[f32], y: &mut [f32], dx: &mut [f32]) {
-    gelu_kernel(x, y);
-    gelu_grad_kernel(x, g, dx);
+pub(crate) fn portable<T: Float>(x: &[T], g: &[T]) -> (Vec<T>, Vec<T>) {
+    assert_eq!(g.len(), x.len());
+    let (mut y, mut dx) = (Uninit::new(x.len()).unwrap(), Uninit::new(x.len()).unwrap());
+    kernel::portable_only(|| {
+        gelu_kernel(x, y.as_mut());
+        gelu_grad_kernel(x, g, dx.as_mut());
+    });
+    // SAFETY: both kernels wrote every element (`x`, `g` and the outputs have one length).
+    unsafe { (y.assume_init(), dx.assume_init()) }
 }
 
 /// Elements per parallel task of an element-wise kernel over `n` elements.
@@ -70,48 +79,55 @@ fn chunk(n: usize) -> usize {
     }
 }
 
-/// `y = gelu(x)` over slices, split over the pool's threads.
-pub(crate) fn gelu_forward_slice<T: Float>(x: &[T], y: &mut [T]) {
+/// `gelu(x)`, split over the pool's threads.
+pub(crate) fn gelu_forward<T: Float>(x: &[T]) -> Result<Vec<T>> {
+    let mut y = Uninit::new(x.len())?;
     let c = chunk(x.len());
-    y.par_chunks_mut(c).zip(x.par_chunks(c)).for_each(|(y, x)| {
-        #[cfg(target_arch = "x86_64")]
-        if let (Some(x), Some(y)) = (kernel::avx512_f32(x), kernel::avx512_f32_mut(y)) {
-            // SAFETY: `avx512_f32` only answers on CPUs with AVX-512.
-            return unsafe { crate::avx512::gelu(x, y) };
-        }
-        gelu_kernel(x, y)
-    });
+    y.as_mut()
+        .par_chunks_mut(c)
+        .zip(x.par_chunks(c))
+        .for_each(|(y, x)| {
+            #[cfg(target_arch = "x86_64")]
+            if let (Some(x), Some(y)) = (kernel::avx512_f32(x), kernel::avx512_f32_out(y)) {
+                // SAFETY: `avx512_f32` only answers on CPUs with AVX-512.
+                return unsafe { crate::avx512::gelu(x, y) };
+            }
+            gelu_kernel(x, y)
+        });
+    // SAFETY: the chunks of `y` and `x` pair up one to one, and each kernel writes all
+    // of its chunk of `y`.
+    Ok(unsafe { y.assume_init() })
 }
 
-/// `dx = g · gelu'(x)` over slices, split over the pool's threads.
-pub(crate) fn gelu_backward_slice<T: Float>(x: &[T], g: &[T], dx: &mut [T]) {
+/// `g · gelu'(x)` (`g` of `x`'s length), split over the pool's threads.
+pub(crate) fn gelu_backward<T: Float>(x: &[T], g: &[T]) -> Result<Vec<T>> {
+    if g.len() != x.len() {
+        bail!(
+            "gelu backward: {} gradients for {} inputs",
+            g.len(),
+            x.len()
+        )
+    }
+    let mut dx = Uninit::new(x.len())?;
     let c = chunk(x.len());
-    dx.par_chunks_mut(c)
+    dx.as_mut()
+        .par_chunks_mut(c)
         .zip(x.par_chunks(c).zip(g.par_chunks(c)))
         .for_each(|(d, (x, g))| {
             #[cfg(target_arch = "x86_64")]
             if let (Some(x), Some(g), Some(d)) = (
                 kernel::avx512_f32(x),
                 kernel::avx512_f32(g),
-                kernel::avx512_f32_mut(d),
+                kernel::avx512_f32_out(d),
             ) {
                 // SAFETY: `avx512_f32` only answers on CPUs with AVX-512.
                 return unsafe { crate::avx512::gelu_grad(x, g, d) };
             }
             gelu_grad_kernel(x, g, d)
         });
-}
-
-fn run_forward<T: Float>(x: &[T]) -> Result<Vec<T>> {
-    let mut y = uninit::<T>(x.len())?;
-    gelu_forward_slice(x, &mut y);
-    Ok(y)
-}
-
-fn run_backward<T: Float>(x: &[T], g: &[T]) -> Result<Vec<T>> {
-    let mut d = uninit::<T>(x.len())?;
-    gelu_backward_slice(x, g, &mut d);
-    Ok(d)
+    // SAFETY: the chunks of `dx`, `x` and `g` (all of one length) pair up one to one,
+    // and each kernel writes all of its chunk of `dx`.
+    Ok(unsafe { dx.assume_init() })
 }
 
 fn contiguous_range(l: &Layout, op: &str) -> Result<(usize, usize)> {
@@ -131,8 +147,8 @@ impl CustomOp1 for Gelu {
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let (lo, hi) = contiguous_range(l, self.name())?;
         let out = match s {
-            CpuStorage::F32(v) => CpuStorage::F32(run_forward(&v[lo..hi])?),
-            CpuStorage::F64(v) => CpuStorage::F64(run_forward(&v[lo..hi])?),
+            CpuStorage::F32(v) => CpuStorage::F32(gelu_forward(&v[lo..hi])?),
+            CpuStorage::F64(v) => CpuStorage::F64(gelu_forward(&v[lo..hi])?),
             _ => bail!("{}: unsupported dtype {:?}", self.name(), s.dtype()),
         };
         Ok((out, l.shape().clone()))
@@ -174,10 +190,10 @@ impl CustomOp2 for GeluBackward {
         let (b0, b1) = contiguous_range(l2, self.name())?;
         let out = match (s1, s2) {
             (CpuStorage::F32(x), CpuStorage::F32(g)) => {
-                CpuStorage::F32(run_backward(&x[a0..a1], &g[b0..b1])?)
+                CpuStorage::F32(gelu_backward(&x[a0..a1], &g[b0..b1])?)
             }
             (CpuStorage::F64(x), CpuStorage::F64(g)) => {
-                CpuStorage::F64(run_backward(&x[a0..a1], &g[b0..b1])?)
+                CpuStorage::F64(gelu_backward(&x[a0..a1], &g[b0..b1])?)
             }
             _ => bail!(
                 "{}: unsupported dtypes {:?}, {:?}",

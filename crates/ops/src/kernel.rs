@@ -8,21 +8,27 @@
 //!   without asking the whole build for `-C target-cpu=native`.
 //! * [`matmul`]: one product on raw slices with the `gemm` crate (AVX-512 through its
 //!   `x86-v4` feature), writing or accumulating into its output, never zero-filling it.
-//! * Buffers come from [`uninit`]: no zero-fill, since every kernel writes every element.
+//! * Output buffers are [`Uninit`]: no zero-fill. A kernel writes them as
+//!   `MaybeUninit<T>` and the caller turns the buffer into a `Vec<T>` once every element
+//!   is written ([`Uninit::assume_init`], an `unsafe` step with its reason beside it).
 
+use std::mem::MaybeUninit;
 use std::sync::OnceLock;
 
-use candle_core::backend::BackendDevice;
-use candle_core::cpu_backend::CpuDevice;
 use candle_core::{
     bail, CpuStorage, Layout, Result, Shape, Storage, StorageRef, Tensor, WithDType,
 };
 
-/// Whether this CPU runs the AVX-512 variants of the kernels.
+/// Whether this CPU runs the AVX-512 variants of the kernels (never under Miri, which
+/// interprets the portable paths only; and never on a thread inside [`portable_only`]).
 pub(crate) fn avx512() -> bool {
+    #[cfg(test)]
+    if PORTABLE_ONLY.with(|p| p.get()) {
+        return false;
+    }
     static HAS: OnceLock<bool> = OnceLock::new();
     *HAS.get_or_init(|| {
-        #[cfg(target_arch = "x86_64")]
+        #[cfg(all(target_arch = "x86_64", not(miri)))]
         {
             std::is_x86_feature_detected!("avx512f")
                 && std::is_x86_feature_detected!("avx512vl")
@@ -31,11 +37,26 @@ pub(crate) fn avx512() -> bool {
                 && std::is_x86_feature_detected!("avx2")
                 && std::is_x86_feature_detected!("fma")
         }
-        #[cfg(not(target_arch = "x86_64"))]
+        #[cfg(any(not(target_arch = "x86_64"), miri))]
         {
             false
         }
     })
+}
+
+#[cfg(test)]
+thread_local! {
+    static PORTABLE_ONLY: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `f` with the AVX-512 kernels switched off on this thread (not on rayon's), so
+/// that a test can run a kernel's portable twin on an AVX-512 CPU.
+#[cfg(test)]
+pub(crate) fn portable_only<R>(f: impl FnOnce() -> R) -> R {
+    PORTABLE_ONLY.with(|p| p.set(true));
+    let r = f();
+    PORTABLE_ONLY.with(|p| p.set(false));
+    r
 }
 
 /// Defines a kernel generic over [`Float`] that runs an AVX-512 build of its body when the
@@ -229,13 +250,70 @@ pub(crate) fn max<T: Float>(x: &[T]) -> T {
     m
 }
 
-/// A buffer of `n` elements whose contents are unspecified: the caller writes every
-/// element before anything reads it.
-pub(crate) fn uninit<T: Float>(n: usize) -> Result<Vec<T>> {
-    // SAFETY: f32 and f64 have no invalid bit patterns, and every caller overwrites the
-    // whole buffer before reading it.
-    let s = unsafe { CpuDevice.alloc_uninit(&Shape::from(n), T::DTYPE)? };
-    T::cpu_storage_data(s)
+/// `Σ (xᵢ − c)²`, vectorised like [`sum`] (the same sums as `dot(y, y)` for `y = x − c`).
+#[inline(always)]
+pub(crate) fn sum_sq_dev<T: Float>(x: &[T], c: T) -> T {
+    let mut acc = [T::zero(); 16];
+    let mut chunks = x.chunks_exact(16);
+    for ch in &mut chunks {
+        for i in 0..16 {
+            let d = ch[i] - c;
+            acc[i] += d * d;
+        }
+    }
+    let mut s = T::zero();
+    for &v in chunks.remainder() {
+        let d = v - c;
+        s += d * d;
+    }
+    for a in acc {
+        s += a;
+    }
+    s
+}
+
+/// An output buffer of `n` elements that starts uninitialised (no zero-fill): kernels
+/// write it through [`Uninit::as_mut`] (`MaybeUninit`) or [`Uninit::as_mut_ptr`], and
+/// [`Uninit::assume_init`] turns it into a `Vec` once every element is written.
+pub(crate) struct Uninit<T> {
+    /// Capacity `n`, length 0 until [`Uninit::assume_init`].
+    v: Vec<T>,
+    n: usize,
+}
+
+impl<T: Float> Uninit<T> {
+    /// Room for `n` elements; an error, not an abort, when it cannot be allocated.
+    pub(crate) fn new(n: usize) -> Result<Self> {
+        let mut v = Vec::new();
+        if let Err(e) = v.try_reserve_exact(n) {
+            bail!(
+                "switchyard-ops: cannot allocate {n} elements of {:?}: {e}",
+                T::DTYPE
+            )
+        }
+        Ok(Uninit { v, n })
+    }
+
+    /// The `n` elements, for writing.
+    pub(crate) fn as_mut(&mut self) -> &mut [MaybeUninit<T>] {
+        &mut self.v.spare_capacity_mut()[..self.n]
+    }
+
+    /// The first element, for tasks that write disjoint parts of the buffer at once
+    /// (through [`SharedMut`]); valid for `n` elements while `self` lives.
+    pub(crate) fn as_mut_ptr(&mut self) -> *mut T {
+        self.v.as_mut_ptr()
+    }
+
+    /// The written buffer.
+    ///
+    /// # Safety
+    /// Every one of the `n` elements has been written.
+    pub(crate) unsafe fn assume_init(mut self) -> Vec<T> {
+        // SAFETY: the capacity is `n` and the caller guarantees all `n` are initialised.
+        unsafe { self.v.set_len(self.n) };
+        self.v
+    }
 }
 
 /// The elements of a contiguous CPU storage, seen through `l`.
@@ -262,6 +340,17 @@ pub(crate) fn avx512_f32_mut<T: Float>(x: &mut [T]) -> Option<&mut [f32]> {
     (cfg!(target_arch = "x86_64") && T::DTYPE == candle_core::DType::F32 && avx512())
         // SAFETY: as above.
         .then(|| unsafe { std::slice::from_raw_parts_mut(x.as_mut_ptr().cast::<f32>(), x.len()) })
+}
+
+/// [`avx512_f32`] for an output slice that may be uninitialised.
+pub(crate) fn avx512_f32_out<T: Float>(
+    x: &mut [MaybeUninit<T>],
+) -> Option<&mut [MaybeUninit<f32>]> {
+    (cfg!(target_arch = "x86_64") && T::DTYPE == candle_core::DType::F32 && avx512())
+        // SAFETY: T is f32, so `MaybeUninit<T>` is `MaybeUninit<f32>`.
+        .then(|| unsafe {
+            std::slice::from_raw_parts_mut(x.as_mut_ptr().cast::<MaybeUninit<f32>>(), x.len())
+        })
 }
 
 /// A read-locked view of a contiguous CPU tensor, for backward passes.
@@ -333,15 +422,55 @@ const SMALL_MAX: usize = 1 << 19;
 /// Products below this many multiply-adds run on one thread.
 const PARALLEL_MIN: usize = 1 << 21;
 
-/// `dst[m×n] = (accumulate ? dst : 0) + a[m×k] · b[k×n]`, with `dst` row-major of row
-/// stride `ld`. On more than one thread of the current rayon pool, large products are
-/// split over them when `parallel` is set.
+/// The destination of [`matmul`]: written (`Uninit`: it may be uninitialised; `Set`:
+/// initialised, overwritten) or accumulated onto (`Add`).
+pub(crate) enum Dst<'a, T> {
+    Uninit(&'a mut [MaybeUninit<T>]),
+    Set(&'a mut [T]),
+    Add(&'a mut [T]),
+}
+
+/// `dst[m×n] = (Add ? dst : 0) + a[m×k] · b[k×n]`, with `dst` row-major of row stride
+/// `ld`. On more than one thread of the current rayon pool, large products are split
+/// over them when `parallel` is set.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn matmul<T: Float>(
     m: usize,
     n: usize,
     k: usize,
-    dst: &mut [T],
+    dst: Dst<T>,
+    ld: usize,
+    a: Mat<T>,
+    b: Mat<T>,
+    parallel: bool,
+) {
+    let (ptr, len, accumulate) = match dst {
+        Dst::Uninit(d) => (d.as_mut_ptr().cast::<T>(), d.len(), false),
+        Dst::Set(d) => (d.as_mut_ptr(), d.len(), false),
+        Dst::Add(d) => (d.as_mut_ptr(), d.len(), true),
+    };
+    assert!(
+        m == 0 || n == 0 || ((m - 1) * ld + n <= len && n <= ld),
+        "matmul: destination out of bounds"
+    );
+    // SAFETY: the destination's bounds were checked above; it is exclusively borrowed
+    // (so it overlaps neither `a` nor `b`, shared borrows), and with `Add` initialised.
+    unsafe { matmul_raw(m, n, k, ptr, ld, accumulate, a, b, parallel) }
+}
+
+/// [`matmul`] into a raw destination, for tasks that write disjoint blocks of one buffer
+/// at once (no task may hold a `&mut` covering another task's elements).
+///
+/// # Safety
+/// The elements `dst + r·ld + c` for `r < m`, `c < n` (and `n ≤ ld`) lie in one
+/// allocation and are valid for writes (and reads, initialised, when `accumulate`); no
+/// other thread accesses them during the call, and they overlap neither `a` nor `b`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn matmul_raw<T: Float>(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut T,
     ld: usize,
     accumulate: bool,
     a: Mat<T>,
@@ -352,28 +481,29 @@ pub(crate) fn matmul<T: Float>(
         return;
     }
     assert!(
-        a.fits(m, k) && b.fits(k, n) && (m - 1) * ld + n <= dst.len() && n <= ld,
+        a.fits(m, k) && b.fits(k, n) && n <= ld,
         "matmul: operands out of bounds"
     );
     if k == 0 {
         if !accumulate {
             for r in 0..m {
-                dst[r * ld..r * ld + n].fill(T::zero());
+                for c in 0..n {
+                    // SAFETY: (r, c) is inside the destination (the caller's contract).
+                    unsafe { dst.add(r * ld + c).write(T::zero()) };
+                }
             }
         }
         return;
     }
     #[cfg(target_arch = "x86_64")]
     if b.cs == 1 && m * n * k <= SMALL_MAX {
-        if let (Some(ad), Some(bd), Some(d)) =
-            (avx512_f32(a.data), avx512_f32(b.data), avx512_f32_mut(dst))
-        {
+        if let (Some(ad), Some(bd)) = (avx512_f32(a.data), avx512_f32(b.data)) {
             let (rs, cs) = (a.rs, a.cs);
             let a = Mat { data: ad, rs, cs };
             let b = Mat::rows(bd, b.rs);
-            // SAFETY: `avx512_f32` only answers on CPUs with AVX-512; the bounds were
-            // checked above and `dst` is exclusively borrowed.
-            unsafe { crate::sgemm::small_sgemm(m, n, k, d.as_mut_ptr(), ld, accumulate, a, b) };
+            // SAFETY: `avx512_f32` only answers on CPUs with AVX-512 (and when T is f32);
+            // the operands' bounds were checked above, the destination's by the caller.
+            unsafe { crate::sgemm::small_sgemm(m, n, k, dst.cast(), ld, accumulate, a, b) };
             return;
         }
     }
@@ -383,14 +513,14 @@ pub(crate) fn matmul<T: Float>(
     } else {
         gemm::Parallelism::None
     };
-    // SAFETY: the bounds of every operand were checked above; `dst` is exclusively
-    // borrowed and does not alias `a` or `b` (they are shared borrows).
+    // SAFETY: the bounds of `a` and `b` were checked above, the destination's by the
+    // caller; `gemm` reads the destination only when `accumulate` (`read_dst`).
     unsafe {
         gemm::gemm(
             m,
             n,
             k,
-            dst.as_mut_ptr(),
+            dst,
             1,
             ld as isize,
             accumulate,
@@ -422,6 +552,10 @@ pub(crate) fn rows_per_task(rows: usize) -> usize {
 }
 
 /// A raw pointer that parallel tasks share to write disjoint parts of one buffer.
+///
+/// The contract of every user: each task writes only its own elements, through raw
+/// pointers derived from this one (never through a `&mut` slice that could cover another
+/// task's elements), and nothing reads the buffer until all tasks have finished.
 #[derive(Clone, Copy)]
 pub(crate) struct SharedMut<T>(pub *mut T);
 impl<T> SharedMut<T> {
@@ -431,45 +565,28 @@ impl<T> SharedMut<T> {
     }
 }
 
-// SAFETY: every user writes disjoint elements from each task.
-unsafe impl<T> Send for SharedMut<T> {}
-// SAFETY: as above.
-unsafe impl<T> Sync for SharedMut<T> {}
+// SAFETY: the pointer is only written through, at disjoint elements per task (the
+// contract above), and `T` is plain data (f32 or f64), so moving it between threads
+// cannot race.
+unsafe impl<T: Send> Send for SharedMut<T> {}
+// SAFETY: as above: shared use only ever writes disjoint elements.
+unsafe impl<T: Send> Sync for SharedMut<T> {}
+
+/// `n` values in `[-scale, scale)` from a seeded generator (splitmix64), for tests.
+#[cfg(test)]
+pub(crate) fn test_data(n: usize, seed: u64, scale: f64) -> Vec<f64> {
+    let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ 0x2545_f491_4f6c_dd1d;
+    (0..n)
+        .map(|_| {
+            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = state;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            z ^= z >> 31;
+            ((z >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) * scale
+        })
+        .collect()
+}
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn fast_exp_and_tanh_are_accurate() {
-        let mut worst_exp = 0.0f64;
-        let mut worst_tanh = 0.0f64;
-        let mut x = -87.0f32;
-        while x < 88.0 {
-            let e = (exp_f32(x) as f64 - (x as f64).exp()).abs() / (x as f64).exp();
-            worst_exp = worst_exp.max(e);
-            x += 0.0137;
-        }
-        let mut x = -12.0f32;
-        while x < 12.0 {
-            let e = (tanh_f32(x) as f64 - (x as f64).tanh()).abs();
-            worst_tanh = worst_tanh.max(e);
-            x += 0.00113;
-        }
-        assert!(worst_exp < 4e-7, "exp relative error {worst_exp:e}");
-        assert!(worst_tanh < 2e-7, "tanh absolute error {worst_tanh:e}");
-        let tiny = exp_f32(-1000.0);
-        assert!(tiny > 0.0 && tiny < 1.2e-38, "{tiny:e}");
-        assert!(exp_f32(88.7).is_finite());
-    }
-
-    #[test]
-    fn reductions_match_plain_loops() {
-        let v: Vec<f64> = (0..37).map(|i| (i as f64 * 0.7).sin()).collect();
-        let w: Vec<f64> = (0..37).map(|i| (i as f64 * 0.3).cos()).collect();
-        assert!((sum(&v) - v.iter().sum::<f64>()).abs() < 1e-12);
-        let d: f64 = v.iter().zip(&w).map(|(a, b)| a * b).sum();
-        assert!((dot(&v, &w) - d).abs() < 1e-12);
-        assert_eq!(max(&v), v.iter().cloned().fold(f64::NEG_INFINITY, f64::max));
-    }
-}
+mod tests;

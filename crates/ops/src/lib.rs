@@ -80,6 +80,8 @@ mod loss;
 mod mlp;
 mod norm;
 mod sgemm;
+#[cfg(test)]
+mod twins;
 
 pub use attention::{causal_attention_packed, causal_self_attention};
 pub use gelu::gelu;

@@ -19,8 +19,8 @@ use candle_core::{
 };
 use rayon::prelude::*;
 
-use crate::gelu::{gelu_backward_slice, gelu_forward_slice};
-use crate::kernel::{self, matmul, simd, slice, uninit, view, Float, Mat};
+use crate::gelu::{gelu_backward, gelu_forward};
+use crate::kernel::{self, matmul, simd, slice, view, Dst, Float, Mat, Uninit};
 
 /// A collective that a fused op applies to a tensor it computes, e.g. an all-reduce (sum)
 /// over a tensor-parallel group. Every rank of the group must call it in the same order.
@@ -182,15 +182,36 @@ pub(crate) fn affine_forward<T: Float>(
     reduce: Option<&Reduce>,
 ) -> Result<Vec<T>> {
     let rows = x.len() / in_f.max(1);
-    let mut y = uninit::<T>(rows * out)?;
-    let bias_first = b.is_some() && reduce.is_none();
-    if let (true, Some(b)) = (bias_first, b) {
-        for row in y.chunks_exact_mut(out) {
-            row.copy_from_slice(b);
-        }
-    }
+    let mut y = Uninit::<T>::new(rows * out)?;
     let (xm, wm) = (Mat::rows(x, in_f), Mat::rows(w, ldw));
-    matmul(rows, out, in_f, &mut y, out, bias_first, xm, wm.t(), true);
+    let mut y = match (b, reduce) {
+        (Some(b), None) => {
+            // The bias first, then the product accumulated onto it.
+            for row in y.as_mut().chunks_exact_mut(out) {
+                for (d, &v) in row.iter_mut().zip(b) {
+                    d.write(v);
+                }
+            }
+            // SAFETY: each of the `rows` rows of `out` elements now holds the bias.
+            let mut y = unsafe { y.assume_init() };
+            matmul(rows, out, in_f, Dst::Add(&mut y), out, xm, wm.t(), true);
+            y
+        }
+        _ => {
+            matmul(
+                rows,
+                out,
+                in_f,
+                Dst::Uninit(y.as_mut()),
+                out,
+                xm,
+                wm.t(),
+                true,
+            );
+            // SAFETY: the product wrote all `rows × out` elements (row stride `out`).
+            unsafe { y.assume_init() }
+        }
+    };
     if let Some(reduce) = reduce {
         let t = reduce(&kernel::tensor(y, (rows, out))?)?;
         y = t.flatten_all()?.to_vec1::<T>()?;
@@ -211,10 +232,20 @@ pub(crate) fn affine_input_grad<T: Float>(
     out: usize,
 ) -> Result<Vec<T>> {
     let rows = g.len() / out.max(1);
-    let mut dx = uninit::<T>(rows * in_f)?;
+    let mut dx = Uninit::<T>::new(rows * in_f)?;
     let (gm, wm) = (Mat::rows(g, out), Mat::rows(w, ldw));
-    matmul(rows, in_f, out, &mut dx, in_f, false, gm, wm, true);
-    Ok(dx)
+    matmul(
+        rows,
+        in_f,
+        out,
+        Dst::Uninit(dx.as_mut()),
+        in_f,
+        gm,
+        wm,
+        true,
+    );
+    // SAFETY: the product wrote all `rows × in` elements (row stride `in`).
+    Ok(unsafe { dx.assume_init() })
 }
 
 /// The gradient of the op's input `x` from [`affine_input_grad`], as a tensor of `x`'s
@@ -250,15 +281,30 @@ pub(crate) fn affine_weight_grad<T: Float>(
     bias_column: bool,
 ) -> Result<Vec<T>> {
     let rows = x.len() / in_f.max(1);
-    let mut dw = uninit::<T>(out * ld)?;
+    if ld != in_f + bias_column as usize {
+        bail!("affine_weight_grad: row stride {ld} for {in_f} inputs (bias column {bias_column})")
+    }
+    let mut dw = Uninit::<T>::new(out * ld)?;
     let (gm, xm) = (Mat::rows(g, out), Mat::rows(x, in_f));
-    matmul(out, in_f, rows, &mut dw, ld, false, gm.t(), xm, true);
+    matmul(
+        out,
+        in_f,
+        rows,
+        Dst::Uninit(dw.as_mut()),
+        ld,
+        gm.t(),
+        xm,
+        true,
+    );
     if bias_column {
+        let dw = dw.as_mut();
         for (i, v) in column_sums(g, out).into_iter().enumerate() {
-            dw[i * ld + in_f] = v;
+            dw[i * ld + in_f].write(v);
         }
     }
-    Ok(dw)
+    // SAFETY: the product wrote columns 0..in of each of the `out` rows and, with a
+    // bias column (`ld = in + 1`, checked above), the loop wrote column `in`.
+    Ok(unsafe { dw.assume_init() })
 }
 
 impl Linear {
@@ -286,8 +332,7 @@ impl Linear {
         if !self.opts.gelu {
             return Ok((T::to_cpu_storage_owned(y), Shape::from(out_dims)));
         }
-        let mut out = uninit::<T>(y.len())?;
-        gelu_forward_slice(&y, &mut out);
+        let out = gelu_forward(&y)?;
         let _ = self.pre.set(T::to_cpu_storage_owned(y));
         Ok((T::to_cpu_storage_owned(out), Shape::from(out_dims)))
     }
@@ -311,9 +356,7 @@ impl Linear {
                 bail!("{name}: backward before forward")
             };
             let pre = T::cpu_storage_as_slice(pre)?;
-            let mut d = uninit::<T>(g.len())?;
-            gelu_backward_slice(pre, g, &mut d);
-            Cow::Owned(d)
+            Cow::Owned(gelu_backward(pre, g)?)
         } else {
             Cow::Borrowed(g)
         };

@@ -2,13 +2,14 @@
 //! exponentials and target logit in one pass forward; `(softmax − onehot) / N` in one
 //! pass backward, from the saved log-sum-exp.
 
+use std::mem::MaybeUninit;
 use std::sync::OnceLock;
 
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use crate::kernel::{self, max, simd, slice, uninit, view, Float};
+use crate::kernel::{self, max, simd, slice, view, Float, Uninit};
 use crate::Reduce;
 
 /// `mean_i (logsumexp(logits_i) − logits_i[targets_i])` for `logits` of shape `[N, V]`
@@ -111,7 +112,7 @@ impl CrossEntropy {
 
 simd! {
     /// `Σ_j exp(z_j − m_r)` of each row `r` of `z`.
-    fn sum_exp<T>(z: &[T], width: usize, m: &[T], out: &mut [T]) {
+    pub(crate) fn sum_exp<T>(z: &[T], width: usize, m: &[T], out: &mut [MaybeUninit<T>]) {
         for ((row, &m), o) in z.chunks_exact(width).zip(m).zip(out.iter_mut()) {
             let mut acc = [T::zero(); 16];
             let mut chunks = row.chunks_exact(16);
@@ -127,17 +128,17 @@ simd! {
             for a in acc {
                 s += a;
             }
-            *o = s;
+            o.write(s);
         }
     }
 }
 
 simd! {
     /// `dz = exp(z − lse_r) · scale` over the rows of `z`.
-    fn softmax_scaled<T>(z: &[T], width: usize, lse: &[T], scale: T, dz: &mut [T]) {
+    pub(crate) fn softmax_scaled<T>(z: &[T], width: usize, lse: &[T], scale: T, dz: &mut [MaybeUninit<T>]) {
         for ((row, &l), drow) in z.chunks_exact(width).zip(lse).zip(dz.chunks_exact_mut(width)) {
             for (d, &v) in drow.iter_mut().zip(row) {
-                *d = (v - l).exp() * scale;
+                d.write((v - l).exp() * scale);
             }
         }
     }
@@ -146,15 +147,31 @@ simd! {
 impl CrossEntropy {
     fn forward<T: Float>(&self, z: &[T], width: usize) -> Result<T> {
         let n = self.targets.len();
+        if width == 0 || z.len() != n * width {
+            bail!(
+                "switchyard-cross-entropy: {} logits for {n} rows of {width}",
+                z.len()
+            )
+        }
         let mut m: Vec<T> = z.par_chunks(width).map(max).collect();
         if let Some((reduce_max, _)) = &self.reduce {
             m = reduce_max(&kernel::tensor(m, n)?)?.to_vec1::<T>()?;
         }
-        let mut s = uninit::<T>(n)?;
+        if m.len() != n {
+            bail!(
+                "switchyard-cross-entropy: the max reduction gave {} values for {n} rows",
+                m.len()
+            )
+        }
+        let mut s = Uninit::<T>::new(n)?;
         let per = kernel::rows_per_task(n);
-        s.par_chunks_mut(per)
+        s.as_mut()
+            .par_chunks_mut(per)
             .zip(z.par_chunks(per * width).zip(m.par_chunks(per)))
             .for_each(|(s, (z, m))| sum_exp(z, width, m, s));
+        // SAFETY: `z` is `n` whole rows and `m` has `n` maxima (both checked); the chunks
+        // pair up (`per` rows each) and `sum_exp` writes one sum per row.
+        let mut s = unsafe { s.assume_init() };
         let mut picked: Vec<T> = (0..n)
             .map(|r| match self.local_target(r, width) {
                 Some(j) => z[r * width + j] - m[r],
@@ -193,11 +210,18 @@ impl CrossEntropy {
             bail!("{name}: backward before forward")
         };
         let lse = T::cpu_storage_as_slice(lse)?;
-        let mut dz = uninit::<T>(zs.len())?;
+        if width == 0 || zs.len() != n * width || lse.len() != n {
+            bail!("{name}: {} logits for {n} rows of {width}", zs.len())
+        }
+        let mut dz = Uninit::<T>::new(zs.len())?;
         let per = kernel::rows_per_task(n);
-        dz.par_chunks_mut(per * width)
+        dz.as_mut()
+            .par_chunks_mut(per * width)
             .zip(zs.par_chunks(per * width).zip(lse.par_chunks(per)))
             .for_each(|(d, (z, l))| softmax_scaled(z, width, l, scale, d));
+        // SAFETY: whole rows with one log-sum-exp each (checked above); the chunks pair
+        // up and `softmax_scaled` writes every element of its rows.
+        let mut dz = unsafe { dz.assume_init() };
         for r in 0..n {
             if let Some(j) = self.local_target(r, width) {
                 dz[r * width + j] -= scale;

@@ -29,8 +29,8 @@ use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, D};
 
 use crate::attention::AttentionEpilogue;
-use crate::gelu::{gelu_backward_slice, gelu_forward_slice};
-use crate::kernel::{self, slice, uninit, view, Float};
+use crate::gelu::{gelu_backward, gelu_forward};
+use crate::kernel::{self, slice, view, Float};
 use crate::linear::{affine_forward, affine_input_grad, affine_weight_grad, input_grad, Reduce};
 use crate::LinearOptions;
 
@@ -241,11 +241,7 @@ impl Pair {
         let pre = affine_forward(x, d, w1, ld1, b1.as_deref(), n1, None)?;
         let h = match &self.attention {
             Some(attn) => attn.forward(&pre, &self.pre_shape(shape))?.0,
-            None => {
-                let mut h = uninit::<T>(pre.len())?;
-                gelu_forward_slice(&pre, &mut h);
-                h
-            }
+            None => gelu_forward(&pre)?,
         };
         let b2 = bias(self.bias[1], w2, out, ld2);
         let reduce = self.opts.reduce_output.as_ref();
@@ -287,11 +283,7 @@ impl Pair {
         let dh = affine_input_grad(g, w2s, ld2, mid, out)?;
         let dpre = match &self.attention {
             Some(attn) => attn.backward(pre, h, &dh, &self.pre_shape(x.shape()))?,
-            None => {
-                let mut dpre = uninit::<T>(dh.len())?;
-                gelu_backward_slice(pre, &dh, &mut dpre);
-                dpre
-            }
+            None => gelu_backward(pre, &dh)?,
         };
         drop(dh);
         let dw1 = affine_weight_grad(&dpre, xs, d, n1, ld1, self.bias[0])?;

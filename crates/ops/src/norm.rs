@@ -5,13 +5,14 @@
 //! With `x̂ = (x − μ)·r`, `r = 1/√(σ² + ε)` and `ĝ = g ⊙ w` per row of `d` elements:
 //! `dx = r · (ĝ − mean(ĝ) − x̂ · mean(ĝ ⊙ x̂))`, `dw = Σ_rows g ⊙ x̂`, `db = Σ_rows g`.
 
+use std::mem::MaybeUninit;
 use std::sync::OnceLock;
 
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, D};
 use rayon::prelude::*;
 
-use crate::kernel::{self, dot, simd, slice, sum, uninit, view, Float};
+use crate::kernel::{self, dot, simd, slice, sum, sum_sq_dev, view, Float, Uninit};
 
 /// LayerNorm over the last dim of `x`:
 /// `y = (x − mean(x)) / sqrt(var(x) + eps) · weight + bias`, where `var` is the biased
@@ -57,50 +58,48 @@ struct LayerNorm {
 }
 
 simd! {
-    /// Normalises the `w.len()`-wide rows of `x` into `y`, recording each row's mean and
-    /// reciprocal standard deviation in `stats`.
-    fn ln_rows<T>(x: &[T], w: &[T], b: &[T], eps: f64, y: &mut [T], stats: &mut [T]) {
+    /// Normalises the `w.len()`-wide rows of `x` into `y` (writing every element of the
+    /// rows of `x`), recording each row's mean and reciprocal standard deviation in
+    /// `stats` (two per row).
+    pub(crate) fn ln_rows<T>(x: &[T], w: &[T], b: &[T], eps: f64, y: &mut [MaybeUninit<T>], stats: &mut [MaybeUninit<T>]) {
         let d = w.len();
         let inv_d = T::from_f64(1.0 / d as f64);
         let eps = T::from_f64(eps);
         for ((xr, yr), st) in x.chunks_exact(d).zip(y.chunks_exact_mut(d)).zip(stats.chunks_exact_mut(2)) {
             let mean = sum(xr) * inv_d;
-            for (y, &x) in yr.iter_mut().zip(xr) {
-                *y = x - mean;
-            }
-            let var = dot(yr, yr) * inv_d;
+            let var = sum_sq_dev(xr, mean) * inv_d;
             let r = T::one() / (var + eps).sqrt();
-            for ((y, &w), &b) in yr.iter_mut().zip(w).zip(b) {
-                *y = *y * r * w + b;
+            for (((y, &x), &w), &b) in yr.iter_mut().zip(xr).zip(w).zip(b) {
+                y.write((x - mean) * r * w + b);
             }
-            st[0] = mean;
-            st[1] = r;
+            st[0].write(mean);
+            st[1].write(r);
         }
     }
 }
 
 simd! {
-    /// The backward pass over rows: writes `dx` and accumulates `dw`, `db`.
-    /// `tmp` is scratch of one row.
-    fn ln_rows_bwd<T>(x: &[T], g: &[T], w: &[T], stats: &[T], dx: &mut [T], dw: &mut [T], db: &mut [T], tmp: &mut [T]) {
+    /// The backward pass over rows: writes every element of `dx` (of the rows of `x`)
+    /// and accumulates `dw`, `db`. `xh` and `gh` are scratch of one row each.
+    pub(crate) fn ln_rows_bwd<T>(x: &[T], g: &[T], w: &[T], stats: &[T], dx: &mut [MaybeUninit<T>], dw: &mut [T], db: &mut [T], xh: &mut [T], gh: &mut [T]) {
         let d = w.len();
         let inv_d = T::from_f64(1.0 / d as f64);
         let rows = x.chunks_exact(d).zip(g.chunks_exact(d)).zip(dx.chunks_exact_mut(d));
         for (((xr, gr), dxr), st) in rows.zip(stats.chunks_exact(2)) {
             let (mean, r) = (st[0], st[1]);
-            // tmp = x̂; dxr = ĝ = g ⊙ w
-            for (t, &x) in tmp.iter_mut().zip(xr) {
+            // xh = x̂; gh = ĝ = g ⊙ w
+            for (t, &x) in xh.iter_mut().zip(xr) {
                 *t = (x - mean) * r;
             }
-            for ((o, &g), &w) in dxr.iter_mut().zip(gr).zip(w) {
+            for ((o, &g), &w) in gh.iter_mut().zip(gr).zip(w) {
                 *o = g * w;
             }
-            let m1 = sum(dxr) * inv_d;
-            let m2 = dot(dxr, tmp) * inv_d;
-            for (o, &t) in dxr.iter_mut().zip(tmp.iter()) {
-                *o = r * (*o - m1 - t * m2);
+            let m1 = sum(gh) * inv_d;
+            let m2 = dot(gh, xh) * inv_d;
+            for ((o, &gv), &t) in dxr.iter_mut().zip(gh.iter()).zip(xh.iter()) {
+                o.write(r * (gv - m1 - t * m2));
             }
-            for (((dw, db), &g), &t) in dw.iter_mut().zip(db.iter_mut()).zip(gr).zip(tmp.iter()) {
+            for (((dw, db), &g), &t) in dw.iter_mut().zip(db.iter_mut()).zip(gr).zip(xh.iter()) {
                 *dw += g * t;
                 *db += g;
             }
@@ -112,12 +111,27 @@ impl LayerNorm {
     fn forward<T: Float>(&self, x: &[T], w: &[T], b: &[T]) -> Result<Vec<T>> {
         let d = w.len();
         let rows = x.len() / d.max(1);
-        let mut y = uninit::<T>(x.len())?;
-        let mut stats = uninit::<T>(2 * rows)?;
+        if d == 0 || !x.len().is_multiple_of(d) || b.len() != d {
+            bail!(
+                "switchyard-layer-norm: {} inputs in rows of {d} (bias {})",
+                x.len(),
+                b.len()
+            )
+        }
+        let mut y = Uninit::<T>::new(x.len())?;
+        let mut stats = Uninit::<T>::new(2 * rows)?;
         let per = kernel::rows_per_task(rows);
-        y.par_chunks_mut(per * d)
-            .zip(x.par_chunks(per * d).zip(stats.par_chunks_mut(per * 2)))
+        y.as_mut()
+            .par_chunks_mut(per * d)
+            .zip(
+                x.par_chunks(per * d)
+                    .zip(stats.as_mut().par_chunks_mut(per * 2)),
+            )
             .for_each(|(y, (x, st))| ln_rows(x, w, b, self.eps, y, st));
+        // SAFETY: `x` is `rows` whole rows (checked above); the chunks of `y`, `x` and
+        // `stats` pair up (`per` rows each) and `ln_rows` writes every row of its chunk
+        // of `y` and both statistics of each row.
+        let (y, stats) = unsafe { (y.assume_init(), stats.assume_init()) };
         let _ = self.stats.set(T::to_cpu_storage_owned(stats));
         Ok(y)
     }
@@ -139,18 +153,28 @@ impl LayerNorm {
         let d = ws.len();
         let rows = xs.len() / d.max(1);
         let per = kernel::rows_per_task(rows);
-        let mut dx = uninit::<T>(xs.len())?;
+        if d == 0 || !xs.len().is_multiple_of(d) || g.len() != xs.len() || stats.len() != 2 * rows {
+            bail!(
+                "{name}: {} inputs, {} gradients in rows of {d}",
+                xs.len(),
+                g.len()
+            )
+        }
+        let mut dx = Uninit::<T>::new(xs.len())?;
         let parts: Vec<(Vec<T>, Vec<T>)> = dx
+            .as_mut()
             .par_chunks_mut(per * d)
             .zip(xs.par_chunks(per * d).zip(g.par_chunks(per * d)))
             .zip(stats.par_chunks(per * 2))
             .map(|((dx, (x, g)), st)| {
-                let (mut dw, mut db, mut tmp) =
-                    (vec![T::zero(); d], vec![T::zero(); d], vec![T::zero(); d]);
-                ln_rows_bwd(x, g, ws, st, dx, &mut dw, &mut db, &mut tmp);
+                let [mut dw, mut db, mut xh, mut gh] = [(); 4].map(|_| vec![T::zero(); d]);
+                ln_rows_bwd(x, g, ws, st, dx, &mut dw, &mut db, &mut xh, &mut gh);
                 (dw, db)
             })
             .collect();
+        // SAFETY: whole rows (checked above); the chunks pair up and `ln_rows_bwd` writes
+        // every row of its chunk of `dx`.
+        let dx = unsafe { dx.assume_init() };
         let (mut dw, mut db) = (vec![T::zero(); d], vec![T::zero(); d]);
         for (pw, pb) in parts {
             for (a, v) in dw.iter_mut().zip(pw) {

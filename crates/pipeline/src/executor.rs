@@ -52,6 +52,27 @@ pub struct StepStats {
     pub wall: Duration,
 }
 
+/// The pipeline bubble of each rank in one step, from each rank's `(compute, wall)`
+/// ([`StepStats::compute`], [`StepStats::wall`]): `1 − compute / makespan`, where the
+/// makespan is the longest `wall` of the step.
+///
+/// This is the simulator's measure (`RankTimeline::bubble_fraction` of
+/// switchyard-schedule): the ranks start a step together, and a rank that finishes its
+/// last action early is idle until the slowest rank is done. (Its own `wall` alone would
+/// leave that wait out: in GPipe with p = 2, m = 4 and equal `F` and `B`, the last rank's
+/// own window shows a bubble of 1/9, not the 1/5 both ranks really idle.)
+pub fn step_bubbles(ranks: &[(Duration, Duration)]) -> Vec<f64> {
+    let makespan = ranks
+        .iter()
+        .map(|&(_, wall)| wall.as_secs_f64())
+        .fold(0.0, f64::max)
+        .max(1e-12);
+    ranks
+        .iter()
+        .map(|&(compute, _)| 1.0 - compute.as_secs_f64() / makespan)
+        .collect()
+}
+
 /// The result of one step on one rank.
 #[derive(Debug)]
 pub struct StepOutput {

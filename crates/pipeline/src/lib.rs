@@ -66,5 +66,7 @@
 mod executor;
 mod stage;
 
-pub use executor::{CheckedProgram, Executor, Microbatches, StepOutput, StepStats, TraceEvent};
+pub use executor::{
+    step_bubbles, CheckedProgram, Executor, Microbatches, StepOutput, StepStats, TraceEvent,
+};
 pub use stage::{ModuleStage, Stage};

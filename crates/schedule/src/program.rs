@@ -38,18 +38,35 @@ impl Program {
     /// the largest indices plus one. Communication ops are ignored for the
     /// inference (they are checked by [`validate`](crate::validate)).
     pub fn from_rank_actions(ranks: Vec<Vec<Action>>) -> Result<Program> {
+        // Every stage up to the highest needs a compute action of its own, and every
+        // microbatch a forward on every stage, so no index of a program can reach the
+        // number of its compute actions. Bounding the tables by that count keeps a typo
+        // such as `4294967295F0` an error rather than an overflow or a huge allocation.
+        let compute = ranks.iter().flatten().filter(|a| a.op.is_compute()).count();
         let mut owner: Vec<Option<u32>> = Vec::new();
         let mut max_stage = None::<u32>;
         let mut max_mb = None::<u32>;
         for (r, actions) in ranks.iter().enumerate() {
-            let r = r as u32;
+            let r = u32::try_from(r).map_err(|_| {
+                ScheduleError::Invalid(format!("{} ranks is too many", ranks.len()))
+            })?;
             for a in actions {
+                if a.microbatch as usize >= compute {
+                    return Err(ScheduleError::Invalid(format!(
+                        "{a} on rank {r}: microbatch {} is out of range: the program has {compute} \
+                         compute actions, too few for {} microbatches",
+                        a.microbatch,
+                        u64::from(a.microbatch) + 1
+                    )));
+                }
                 max_stage = max_stage.max(Some(a.stage));
                 max_mb = max_mb.max(Some(a.microbatch));
-                if !a.op.is_compute() {
+                let s = a.stage as usize;
+                // A stage beyond the compute actions leaves a lower stage without one:
+                // the loop below names it.
+                if !a.op.is_compute() || s > compute {
                     continue;
                 }
-                let s = a.stage as usize;
                 if owner.len() <= s {
                     owner.resize(s + 1, None);
                 }
@@ -65,8 +82,8 @@ impl Program {
                 }
             }
         }
-        let num_stages = max_stage.map_or(0, |s| s + 1);
-        owner.resize(num_stages as usize, None);
+        let num_stages = max_stage.map_or(0, |s| s as usize + 1);
+        owner.resize(num_stages.min(compute + 1), None);
         let stage_to_rank = owner
             .iter()
             .enumerate()
@@ -78,9 +95,13 @@ impl Program {
                 })
             })
             .collect::<Result<Vec<u32>>>()?;
+        // Both below `compute + 1`, itself at most `u32::MAX + 1` here.
+        let num_stages = u32::try_from(stage_to_rank.len())
+            .map_err(|_| ScheduleError::Invalid("too many stages".into()))?;
+        let num_microbatches = max_mb.map_or(0, |m| m + 1);
         Ok(Program {
             num_stages,
-            num_microbatches: max_mb.map_or(0, |m| m + 1),
+            num_microbatches,
             stage_to_rank,
             ranks,
         })
@@ -180,12 +201,24 @@ impl Program {
 /// Puts per-rank rows given in any order into rank order; every rank from 0
 /// to the largest index must appear exactly once.
 pub(crate) fn assemble_ranks(rows: Vec<(usize, Vec<Action>)>) -> Result<Vec<Vec<Action>>> {
-    let n = rows.iter().map(|(r, _)| r + 1).max().unwrap_or(0);
+    // With n rows the ranks are 0..n; a larger index (however large) means a rank
+    // below it is missing, which is the error to report.
+    let n = rows.len();
     let mut out: Vec<Option<Vec<Action>>> = vec![None; n];
+    let mut beyond = false;
     for (r, actions) in rows {
-        if out[r].replace(actions).is_some() {
-            return Err(ScheduleError::Parse(format!("rank {r} is listed twice")));
+        match out.get_mut(r) {
+            Some(slot) => {
+                if slot.replace(actions).is_some() {
+                    return Err(ScheduleError::Parse(format!("rank {r} is listed twice")));
+                }
+            }
+            None => beyond = true,
         }
+    }
+    if beyond {
+        let r = out.iter().position(Option::is_none).unwrap_or(n);
+        return Err(ScheduleError::Parse(format!("rank {r} is missing")));
     }
     out.into_iter()
         .enumerate()

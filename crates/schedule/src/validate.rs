@@ -67,6 +67,21 @@ pub(crate) fn check_structure(program: &Program) -> Result<()> {
             "stage {s} is mapped to rank {r}, but the program has {nr} ranks"
         ));
     }
+    // Every (stage, microbatch) needs its own forward: a program with fewer compute
+    // actions than that is incomplete, and its tables (sized by the product) could be
+    // larger than memory.
+    let compute = program
+        .ranks
+        .iter()
+        .flatten()
+        .filter(|a| a.op.is_compute())
+        .count();
+    if u64::from(ns) * u64::from(nm) > compute as u64 {
+        return invalid(format!(
+            "{ns} stages × {nm} microbatches need at least {} forwards, but the program has only {compute} compute actions",
+            u64::from(ns) * u64::from(nm)
+        ));
+    }
     let ix = Index::new(program);
     // pos[index] = (rank, position) of each action.
     let mut pos: Vec<Option<(usize, usize)>> = vec![None; ix.len()];

@@ -287,3 +287,46 @@ fn generator_errors_say_what_to_change() {
         .to_string()
         .contains("already lowered"));
 }
+
+/// Huge rank, stage or microbatch indices in a hand-written schedule are errors, not an
+/// overflow or an allocation the size of the index.
+#[test]
+fn huge_indices_in_a_csv_are_errors() {
+    let e = |t: &str| Program::from_csv(t).unwrap_err().to_string();
+    assert_eq!(
+        e("0,0F0,0B0\n18446744073709551615,0F1\n"),
+        "rank 1 is missing"
+    );
+    assert_eq!(e("0,0F0,0B0\n1000000000000,0F1\n"), "rank 1 is missing");
+    assert_eq!(
+        e("0,0F0,0B0,4294967295F0\n"),
+        "invalid schedule: stage 1 has no compute action on any rank, so its rank is unknown"
+    );
+    assert_eq!(
+        e("0,0F4294967295,0B4294967295\n"),
+        "invalid schedule: 0F4294967295 on rank 0: microbatch 4294967295 is out of range: \
+         the program has 2 compute actions, too few for 4294967296 microbatches"
+    );
+    assert!(e("0,0F0,0B0,0SF4294967295\n").contains("microbatch 4294967295 is out of range"));
+    // The text form shares the rules.
+    assert!("rank 0: 0F0 0B0\nrank 99999999999: 1F0 1B0\n"
+        .parse::<Program>()
+        .unwrap_err()
+        .to_string()
+        .contains("rank 1 is missing"));
+}
+
+/// A program built by hand with more (stage, microbatch) pairs than actions is refused
+/// before any table of that size is allocated.
+#[test]
+fn a_program_too_sparse_for_its_sizes_is_refused() {
+    let mut p = gpipe(2, 1).unwrap();
+    p.num_microbatches = u32::MAX;
+    assert_eq!(
+        err(&p),
+        "invalid schedule: 2 stages × 4294967295 microbatches need at least 8589934590 forwards, \
+         but the program has only 4 compute actions"
+    );
+    assert!(lower(&p).is_err());
+    assert!(simulate(&p, &Costs::default()).is_err());
+}

@@ -7,9 +7,9 @@
 //!   that row, measured in the same run; a 2-core machine runs 2 workers with one thread
 //!   each, so each parallel layout is compared at one core per worker.
 //! * **MFU** = tokens/s × model FLOPs per token / (cores × measured per-core peak), with
-//!   model FLOPs per token = 6 × parameters + attention (`12 · layers · T · d`, PaLM's
-//!   count for the two attention products forward and backward) and the per-core peak an
-//!   AVX-512 FMA loop ([`fma_peak_gflops`]).
+//!   the FLOPs a token actually needs ([`Preset::flops_per_token`]: 6 × non-embedding
+//!   parameters + the causal attention products) and the per-core peak an AVX-512 FMA
+//!   loop ([`fma_peak_gflops`]).
 //! * **Ideal pipeline speed-up** = `pp × (1 − bubble)`, the bubble from the schedule
 //!   simulator with backward = 2 × forward.
 
@@ -68,10 +68,58 @@ impl Preset {
         })
     }
 
-    /// Model FLOPs per token: `6 × parameters + 12 · layers · T · d`.
+    /// Refuses settings no row can run, naming the `switchyard bench` flag: timed steps
+    /// and microbatches must be at least 1, and the microbatches must divide the batch.
+    pub fn check(&self) -> Result<(), String> {
+        if self.steps == 0 {
+            return Err(
+                "--steps must be at least 1: each row reports the median of its timed steps".into(),
+            );
+        }
+        if self.microbatches == 0 {
+            return Err("--microbatches must be at least 1".into());
+        }
+        if !self.batch.is_multiple_of(self.microbatches) {
+            let divisors: Vec<String> = (1..=self.batch)
+                .filter(|d| self.batch.is_multiple_of(*d))
+                .map(|d| d.to_string())
+                .collect();
+            return Err(format!(
+                "--microbatches {} does not divide the {} preset's batch of {} sequences: use one of {}",
+                self.microbatches,
+                self.name,
+                self.batch,
+                divisors.join(", ")
+            ));
+        }
+        Ok(())
+    }
+
+    /// The FLOPs one token actually needs, forward and backward:
+    ///
+    /// ```text
+    /// 6 · N  +  6 · layers · d · (T + 1)
+    /// ```
+    ///
+    /// * `N`, the non-embedding parameters: all parameters but the token and position
+    ///   tables (`wte`, `wpe`), which are looked up, not multiplied (a tied head's
+    ///   product with `wte` is counted: `V · d` more). Each weight costs 2 FLOPs per
+    ///   token forward and 4 backward (input and weight gradients): `6 · N`.
+    /// * Attention, per layer: position `i` of a causal sequence attends to `i` keys
+    ///   (1-based), `(T + 1)/2` on average, so `QKᵀ` and `A·V` each cost
+    ///   `2 · d · (T + 1)/2` forward, `2 · d · (T + 1)` together; ×3 for forward and
+    ///   backward: `6 · d · (T + 1)`. The masked half of the `T × T` products is not
+    ///   counted: it is not needed (and the kernels skip it).
     pub fn flops_per_token(&self) -> f64 {
         let m = &self.model;
-        6.0 * m.param_count() as f64 + 12.0 * (m.n_layer * self.seq_len * m.d_model) as f64
+        let tables = (m.vocab_size + m.block_size) * m.d_model;
+        let tied_head = if m.tied_embeddings {
+            m.vocab_size * m.d_model
+        } else {
+            0
+        };
+        let n = (m.param_count() - tables + tied_head) as f64;
+        6.0 * n + 6.0 * (m.n_layer * m.d_model * (self.seq_len + 1)) as f64
     }
 
     pub fn tokens_per_step(&self) -> usize {
@@ -230,19 +278,46 @@ pub fn fma_peak_gflops() -> f64 {
 }
 
 mod fma {
+    /// The peak loop a CPU can run.
+    #[derive(Debug, PartialEq)]
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    pub(super) enum Loop {
+        /// 512-bit FMAs: needs AVX-512F (the loop enables exactly that).
+        Avx512,
+        /// 256-bit FMAs: needs AVX2 and FMA (the loop enables both).
+        Avx2,
+        None,
+    }
+
+    /// The loop for a CPU with these features: each loop only where every feature its
+    /// `target_feature` enables is present.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    pub(super) fn choose(avx512f: bool, avx2: bool, fma: bool) -> Loop {
+        if avx512f {
+            Loop::Avx512
+        } else if avx2 && fma {
+            Loop::Avx2
+        } else {
+            Loop::None
+        }
+    }
+
     /// GFLOP/s of `iters` rounds of 12 independent vector FMAs.
     pub fn run(iters: u64) -> f64 {
         #[cfg(target_arch = "x86_64")]
         {
             let t = std::time::Instant::now();
-            let (flops, sink) = if std::is_x86_feature_detected!("avx512f") {
+            let found = choose(
+                std::is_x86_feature_detected!("avx512f"),
+                std::is_x86_feature_detected!("avx2"),
+                std::is_x86_feature_detected!("fma"),
+            );
+            let (flops, sink) = match found {
                 // SAFETY: the CPU has AVX-512F.
-                (iters * 12 * 32, unsafe { avx512(iters) })
-            } else if std::is_x86_feature_detected!("fma") {
-                // SAFETY: the CPU has FMA and AVX.
-                (iters * 12 * 16, unsafe { avx2(iters) })
-            } else {
-                return 0.0;
+                Loop::Avx512 => (iters * 12 * 32, unsafe { avx512(iters) }),
+                // SAFETY: the CPU has AVX2 and FMA.
+                Loop::Avx2 => (iters * 12 * 16, unsafe { avx2(iters) }),
+                Loop::None => return 0.0,
             };
             std::hint::black_box(sink);
             flops as f64 / t.elapsed().as_secs_f64() / 1e9
@@ -429,6 +504,17 @@ impl Report {
 mod tests {
     use super::*;
 
+    /// FMA without AVX2 (or AVX2 without FMA) must not run the loop compiled for both.
+    #[test]
+    fn the_peak_loop_runs_only_with_every_feature_it_enables() {
+        use fma::{choose, Loop};
+        assert_eq!(choose(false, false, true), Loop::None);
+        assert_eq!(choose(false, true, false), Loop::None);
+        assert_eq!(choose(false, true, true), Loop::Avx2);
+        assert_eq!(choose(true, false, false), Loop::Avx512);
+        assert_eq!(choose(false, false, false), Loop::None);
+    }
+
     #[test]
     fn presets_are_valid_configurations() {
         for name in ["reference", "small", "tiny"] {
@@ -438,10 +524,79 @@ mod tests {
             }
         }
         assert!(Preset::named("huge").unwrap_err().contains("reference"));
-        // The issue's count: 6 × 6.48M parameters + 12 · 8 · 128 · 256.
+        // 6 × 6.38M non-embedding parameters + 6 · 8 · 256 · 129.
         let r = Preset::named("reference").unwrap();
         assert_eq!(r.tokens_per_step(), 4096);
-        assert!((r.flops_per_token() / 1e6 - 42.0).abs() < 1.0);
+        assert_eq!(
+            r.flops_per_token(),
+            6.0 * 6_384_128.0 + 6.0 * 8.0 * 256.0 * 129.0
+        );
+    }
+
+    /// The FLOP count against a count by hand of every product of a tiny GPT.
+    #[test]
+    fn flops_per_token_counts_the_products_a_token_needs() {
+        let (v, d, t) = (4.0, 2.0, 3.0);
+        let mut p = Preset::named("tiny").unwrap();
+        p.model = GptConfig {
+            vocab_size: 4,
+            block_size: 3,
+            n_layer: 1,
+            n_head: 1,
+            d_model: 2,
+            tied_embeddings: false,
+        };
+        p.seq_len = 3;
+        // Forward, per token: a weight matrix `a × b` (with its bias) costs 2ab for the
+        // product (biases and LayerNorms: 2 per parameter, counted like weights).
+        let qkv = d * 3.0 * d + 3.0 * d;
+        let proj = d * d + d;
+        let fc = d * 4.0 * d + 4.0 * d;
+        let fc_proj = 4.0 * d * d + d;
+        let norms = 3.0 * 2.0 * d; // ln_1, ln_2, ln_f
+        let head = d * v;
+        let weights_forward = 2.0 * (qkv + proj + fc + fc_proj + norms + head);
+        // Causal attention, forward: the three positions of a sequence see 1, 2 and 3
+        // keys; each key costs d multiply-adds in QKᵀ and d in A·V.
+        let keys_per_token = (1.0 + 2.0 + 3.0) / t;
+        let attention_forward = 2.0 * (2.0 * d * keys_per_token);
+        // Backward: twice the forward.
+        let hand = 3.0 * (weights_forward + attention_forward);
+        assert_eq!(p.flops_per_token(), hand);
+        // The embedding tables are not counted, and a tied head is (its product runs).
+        p.model.tied_embeddings = true;
+        assert_eq!(p.flops_per_token(), hand);
+    }
+
+    #[test]
+    fn zero_steps_or_microbatches_that_do_not_divide_the_batch_are_refused() {
+        let tiny = Preset::named("tiny").unwrap();
+        tiny.check().unwrap();
+        let with = |f: fn(&mut Preset)| {
+            let mut p = tiny.clone();
+            f(&mut p);
+            p.check()
+        };
+        assert!(with(|p| p.steps = 0)
+            .unwrap_err()
+            .starts_with("--steps must be at least 1"));
+        assert_eq!(
+            with(|p| p.microbatches = 3).unwrap_err(),
+            "--microbatches 3 does not divide the tiny preset's batch of 8 sequences: use one of 1, 2, 4, 8"
+        );
+        assert_eq!(
+            with(|p| p.microbatches = 0).unwrap_err(),
+            "--microbatches must be at least 1"
+        );
+        // Every count the message offers runs every row.
+        for m in [1, 2, 4, 8] {
+            let mut p = tiny.clone();
+            p.microbatches = m;
+            p.check().unwrap();
+            for c in cases(&p) {
+                config(&p, &c).validate().unwrap();
+            }
+        }
     }
 
     #[test]

@@ -19,7 +19,8 @@
 //! then renamed; rank 0 then writes `manifest.json` the same way — last — and renames the
 //! directory to `step-N`. A checkpoint is complete exactly when `step-N/manifest.json`
 //! exists, so a crash at any moment leaves every earlier checkpoint intact and loadable.
-//! Only after the commit are checkpoints beyond the newest `keep` deleted.
+//! Only after the commit are older checkpoints of the same run beyond the newest `keep`
+//! deleted; which checkpoints a run may prune or move aside is in [`crate::run_dir`].
 //!
 //! ## Resharding
 //!
@@ -86,6 +87,10 @@ pub struct CorpusInfo {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Manifest {
     pub format: String,
+    /// The run that wrote it: a fresh run makes a new id, a resumed run keeps the id of
+    /// the checkpoint it resumed from. Empty in checkpoints written before run ids.
+    #[serde(default)]
+    pub run_id: String,
     /// Steps completed; a resumed run starts at this step.
     pub step: usize,
     /// The run's configuration, layout included.
@@ -126,14 +131,19 @@ pub fn file_name(pp: usize, tp: usize) -> String {
 
 /// Writes `bytes` to `path` atomically: a temporary file, synced, then renamed.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    let tmp = path.with_extension("tmp");
-    let mut f =
-        fs::File::create(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
-    f.write_all(bytes)
+    let (tmp, mut f) = crate::export::create_temp(path)?;
+    let written = f
+        .write_all(bytes)
         .and_then(|_| f.sync_all())
-        .with_context(|| format!("cannot write {}", tmp.display()))?;
-    fs::rename(&tmp, path)
-        .with_context(|| format!("cannot rename {} to {}", tmp.display(), path.display()))
+        .with_context(|| format!("cannot write {}", tmp.display()))
+        .and_then(|_| {
+            fs::rename(&tmp, path)
+                .with_context(|| format!("cannot rename {} to {}", tmp.display(), path.display()))
+        });
+    if written.is_err() {
+        let _ = fs::remove_file(&tmp);
+    }
+    written
 }
 
 fn sync_dir(dir: &Path) {
@@ -193,7 +203,8 @@ pub struct RankShard {
 }
 
 /// Completes a save: writes the manifest last, renames the staging directory, then keeps
-/// only the newest `keep` checkpoints (0 keeps all).
+/// only the newest `keep` checkpoints of the manifest's run (0 keeps all; see
+/// [`crate::run_dir::prune`]).
 pub fn commit(dir: &Path, manifest: &Manifest, keep: usize) -> Result<PathBuf> {
     let staging = staging_dir(dir, manifest.step);
     let json = serde_json::to_vec_pretty(manifest)?;
@@ -206,12 +217,7 @@ pub fn commit(dir: &Path, manifest: &Manifest, keep: usize) -> Result<PathBuf> {
     fs::rename(&staging, &done)
         .with_context(|| format!("cannot rename {} to {}", staging.display(), done.display()))?;
     sync_dir(dir);
-    if keep > 0 {
-        let all = complete_steps(dir)?;
-        for (_, p) in all.iter().rev().skip(keep) {
-            let _ = fs::remove_dir_all(p);
-        }
-    }
+    crate::run_dir::prune(dir, &manifest.run_id, manifest.step, keep)?;
     // Staging left behind by earlier crashes is garbage now.
     if let Ok(entries) = fs::read_dir(dir) {
         for e in entries.flatten() {
@@ -258,50 +264,76 @@ pub struct FullState {
     pub v: HashMap<String, Tensor>,
 }
 
+/// Reads and parses the manifest of the checkpoint in `path` (a `step-N` directory)
+/// without checking its files; the step must match the directory's name.
+pub fn read_manifest(path: &Path) -> Result<Manifest> {
+    let mpath = path.join(MANIFEST);
+    let text = fs::read(&mpath).with_context(|| format!("cannot read {}", mpath.display()))?;
+    let manifest: Manifest = serde_json::from_slice(&text).map_err(|e| {
+        anyhow!(
+            "{} is not a valid switchyard manifest: {e}",
+            mpath.display()
+        )
+    })?;
+    if manifest.format != FORMAT {
+        bail!(
+            "{}: format {:?}, expected {FORMAT:?}",
+            mpath.display(),
+            manifest.format
+        );
+    }
+    let named = path
+        .file_name()
+        .and_then(|n| n.to_str())
+        .and_then(|n| n.strip_prefix("step-"))
+        .and_then(|n| n.parse::<usize>().ok());
+    if let Some(n) = named {
+        if n != manifest.step {
+            bail!(
+                "{} says step {}, but its directory is step {n}: the checkpoint is inconsistent; resume from another step",
+                mpath.display(),
+                manifest.step
+            );
+        }
+    }
+    Ok(manifest)
+}
+
+/// The checkpoint directory [`Checkpoint::find`] would open, without checking its files.
+pub fn locate(dir: &Path, step: Option<usize>) -> Result<PathBuf> {
+    if dir.join(MANIFEST).is_file() {
+        return Ok(dir.to_path_buf());
+    }
+    let all = complete_steps(dir)?;
+    let chosen = match step {
+        Some(s) => all.iter().find(|(n, _)| *n == s).ok_or_else(|| {
+            let have: Vec<String> = all.iter().map(|(n, _)| n.to_string()).collect();
+            anyhow!(
+                "{} has no complete checkpoint of step {s} (it has: {})",
+                dir.display(),
+                have.join(", ")
+            )
+        })?,
+        None => all.last().ok_or_else(|| {
+            anyhow!(
+                "{} holds no complete checkpoint (no step-N/{MANIFEST})",
+                dir.display()
+            )
+        })?,
+    };
+    Ok(chosen.1.clone())
+}
+
 impl Checkpoint {
     /// The newest complete checkpoint in `dir` (or `dir` itself if it is one); with
     /// `step`, that step's. Checks every file before returning.
     pub fn find(dir: &Path, step: Option<usize>) -> Result<Checkpoint> {
-        if dir.join(MANIFEST).is_file() {
-            return Checkpoint::open(dir);
-        }
-        let all = complete_steps(dir)?;
-        let chosen = match step {
-            Some(s) => all.iter().find(|(n, _)| *n == s).ok_or_else(|| {
-                let have: Vec<String> = all.iter().map(|(n, _)| n.to_string()).collect();
-                anyhow!(
-                    "{} has no complete checkpoint of step {s} (it has: {})",
-                    dir.display(),
-                    have.join(", ")
-                )
-            })?,
-            None => all.last().ok_or_else(|| {
-                anyhow!(
-                    "{} holds no complete checkpoint (no step-N/{MANIFEST})",
-                    dir.display()
-                )
-            })?,
-        };
-        Checkpoint::open(&chosen.1)
+        Checkpoint::open(&locate(dir, step)?)
     }
 
     /// Opens and checks the checkpoint in `path` (a `step-N` directory).
     pub fn open(path: &Path) -> Result<Checkpoint> {
-        let mpath = path.join(MANIFEST);
-        let text = fs::read(&mpath).with_context(|| format!("cannot read {}", mpath.display()))?;
-        let manifest: Manifest = serde_json::from_slice(&text).map_err(|e| {
-            anyhow!(
-                "{} is not a valid switchyard manifest: {e}",
-                mpath.display()
-            )
-        })?;
-        if manifest.format != FORMAT {
-            bail!(
-                "{}: format {:?}, expected {FORMAT:?}",
-                mpath.display(),
-                manifest.format
-            );
-        }
+        let manifest = read_manifest(path)?;
         let mut files = Vec::new();
         for f in &manifest.files {
             let fpath = path.join(&f.file);

@@ -78,8 +78,10 @@ impl TrainConfig {
         MeshShape::new(self.dp, self.pp, self.tp)
     }
 
+    /// Workers in all: `dp × pp × tp` (saturating; [`TrainConfig::validate`] refuses a
+    /// layout whose product overflows).
     pub fn world_size(&self) -> usize {
-        self.dp * self.pp * self.tp
+        self.dp.saturating_mul(self.pp).saturating_mul(self.tp)
     }
 
     /// Whether the schedule is a CSV file rather than a generated kind.
@@ -106,12 +108,20 @@ impl TrainConfig {
                 ));
             }
             if p.num_stages as usize != self.num_stages() {
-                return Err(format!(
-                    "{what} has {} stages on {} ranks: pass --virtual-stages {}",
-                    p.num_stages,
-                    self.pp,
-                    p.num_stages as usize / self.pp.max(1)
-                ));
+                let stages = p.num_stages as usize;
+                return Err(if stages.is_multiple_of(self.pp) {
+                    format!(
+                        "{what} has {stages} stages on {} ranks: pass --virtual-stages {}",
+                        self.pp,
+                        stages / self.pp
+                    )
+                } else {
+                    format!(
+                        "{what} has {stages} stages on {} ranks: every rank must run the same \
+                         number of stages, so a schedule for --pp {} needs a multiple of {} stages",
+                        self.pp, self.pp, self.pp
+                    )
+                });
             }
             p
         } else {
@@ -135,28 +145,79 @@ impl TrainConfig {
                 self.virtual_stages, self.schedule
             ));
         }
-        ScheduleKind::from_name(&self.schedule, v).map_err(|e| e.to_string())
+        ScheduleKind::from_name(&self.schedule, v).map_err(|e| {
+            if self.schedule.contains(['.', '/', '\\']) {
+                format!(
+                    "--schedule {}: not a schedule name, and a schedule file must end in .csv \
+                     (one row per pipeline rank, like 0,0F0,0F1,0B0,0B1)",
+                    self.schedule
+                )
+            } else {
+                e.to_string()
+            }
+        })
     }
 
     /// Pipeline stages in all: `pp × virtual stages`.
     pub fn num_stages(&self) -> usize {
-        self.pp * self.virtual_stages
+        self.pp.saturating_mul(self.virtual_stages)
     }
 
     /// Sequences per microbatch.
     pub fn microbatch_size(&self) -> usize {
-        self.batch / (self.dp * self.microbatches).max(1)
+        self.batch / self.dp.saturating_mul(self.microbatches).max(1)
     }
 
     pub fn tokens_per_step(&self) -> usize {
-        self.batch * self.seq_len
+        self.batch.saturating_mul(self.seq_len)
     }
 
     /// Every check that can be made before any worker starts, each with what to change.
+    /// The cheap arithmetic comes first, so that no absurd value (a layout whose product
+    /// overflows, more stages than layers, a model larger than this machine's memory)
+    /// reaches the schedule generator or an allocation.
     pub fn validate(&self) -> Result<(), String> {
         let m = &self.model;
         m.validate()?;
         self.mesh().validate()?;
+        let world = self
+            .dp
+            .checked_mul(self.pp)
+            .and_then(|x| x.checked_mul(self.tp))
+            .ok_or_else(|| {
+                format!(
+                    "--dp {} × --pp {} × --tp {} overflows: use a layout of at most a few thousand workers",
+                    self.dp, self.pp, self.tp
+                )
+            })?;
+        let limit = thread_limit();
+        if self.threads_per_worker > limit {
+            return Err(format!(
+                "--threads-per-worker {} is more than {limit} threads ({}): use at most the \
+                 cores of this machine ({})",
+                self.threads_per_worker,
+                THREAD_LIMIT_WHY,
+                switchyard_comm::threads::available_cores()
+            ));
+        }
+        // One worker holds at least its share of one replica (pp × tp workers split it).
+        let share = self.state_bytes() / (self.pp as u128 * self.tp as u128);
+        if let Some(total) = memory_info().total {
+            if share > u128::from(total) {
+                return Err(format!(
+                    "the model does not fit: {:.2}M parameters need {} of parameters, gradients \
+                     and AdamW state per replica, {} per worker over --pp {} × --tp {}, more than \
+                     this machine's {} of memory; use a smaller model",
+                    m.param_count() as f64 / 1e6,
+                    human_bytes(self.state_bytes()),
+                    human_bytes(share),
+                    self.pp,
+                    self.tp,
+                    human_bytes(u128::from(total))
+                ));
+            }
+        }
+        self.validate_numbers()?;
         if !m.n_head.is_multiple_of(self.tp) {
             return Err(format!(
                 "--tp {} does not divide the {} attention heads: each rank needs whole heads; \
@@ -173,13 +234,16 @@ impl TrainConfig {
         if self.microbatches == 0 || self.batch == 0 || self.steps == 0 {
             return Err("--batch, --microbatches and --steps must be at least 1".into());
         }
-        if !self.batch.is_multiple_of(self.dp * self.microbatches) {
+        let split = self.dp.checked_mul(self.microbatches).ok_or_else(|| {
+            format!(
+                "--dp {} × --microbatches {} overflows: use fewer microbatches",
+                self.dp, self.microbatches
+            )
+        })?;
+        if !self.batch.is_multiple_of(split) {
             return Err(format!(
-                "--batch {} does not split into --dp {} × --microbatches {}: use a batch that is a multiple of {}",
-                self.batch,
-                self.dp,
-                self.microbatches,
-                self.dp * self.microbatches
+                "--batch {} does not split into --dp {} × --microbatches {}: use a batch that is a multiple of {split}",
+                self.batch, self.dp, self.microbatches
             ));
         }
         if self.virtual_stages == 0 {
@@ -191,32 +255,234 @@ impl TrainConfig {
                 self.virtual_stages
             ));
         }
-        // The schedule generator knows its own constraints (interleaving needs a multiple
-        // of pp microbatches); ask it now rather than inside a worker.
-        self.program()?;
+        let stages = self.pp.checked_mul(self.virtual_stages).ok_or_else(|| {
+            format!(
+                "--pp {} × --virtual-stages {} overflows",
+                self.pp, self.virtual_stages
+            )
+        })?;
+        // Every stage needs a layer: check it before any schedule is generated.
         let costs = LayerCosts {
             embed: 0.0,
             block: 1.0,
             head: 0.0,
         };
-        plan_stages(m.n_layer, self.num_stages(), &self.split, &costs)?;
+        plan_stages(m.n_layer, stages, &self.split, &costs)?;
+        if self.schedule == "interleaved" && !self.microbatches.is_multiple_of(self.pp) {
+            return Err(self.interleaved_advice());
+        }
+        if stages.saturating_mul(self.microbatches) > MAX_SCHEDULE_PAIRS {
+            return Err(format!(
+                "{stages} stages × --microbatches {} is more than {MAX_SCHEDULE_PAIRS} forwards \
+                 per step, a schedule too large to build and check: use fewer microbatches",
+                self.microbatches
+            ));
+        }
+        // The schedule generator knows its own constraints; ask it now rather than
+        // inside a worker.
+        self.program()?;
         if self.seq_len == 0 || self.seq_len > m.block_size {
             return Err(format!(
                 "--seq-len {} must be between 1 and the model's block size {}",
                 self.seq_len, m.block_size
             ));
         }
-        let positive = |x: f64| x.is_finite() && x > 0.0;
-        if !positive(self.lr) || self.min_lr < 0.0 || self.min_lr > self.lr {
+        if self.batch.checked_mul(self.seq_len).is_none() {
             return Err(format!(
-                "the learning rate must be positive and at least --min-lr (lr {}, min-lr {})",
-                self.lr, self.min_lr
+                "--batch {} × --seq-len {} tokens per step overflows",
+                self.batch, self.seq_len
             ));
         }
-        if self.grad_clip < 0.0 || !positive(self.bucket_mib) || !positive(self.comm_timeout_secs) {
-            return Err("--grad-clip must be ≥ 0, the bucket size and the timeout > 0".into());
+        debug_assert_eq!(world, self.world_size());
+        Ok(())
+    }
+
+    /// The floating-point settings, each named as its flag (or its `--config` key).
+    fn validate_numbers(&self) -> Result<(), String> {
+        let bad = |what: &str, v: f64, want: &str| Err(format!("{what} must be {want}, got {v}"));
+        if !(self.lr.is_finite() && self.lr > 0.0) {
+            return bad("--lr", self.lr, "a positive number");
+        }
+        if !(self.min_lr.is_finite() && self.min_lr >= 0.0 && self.min_lr <= self.lr) {
+            return bad(
+                "--min-lr",
+                self.min_lr,
+                &format!("a number from 0 to --lr ({})", self.lr),
+            );
+        }
+        if !(self.weight_decay.is_finite() && self.weight_decay >= 0.0) {
+            return bad("--weight-decay", self.weight_decay, "a number ≥ 0");
+        }
+        if !(self.grad_clip.is_finite() && self.grad_clip >= 0.0) {
+            return bad("--grad-clip", self.grad_clip, "a number ≥ 0 (0: off)");
+        }
+        for (key, v) in [("beta1", self.beta1), ("beta2", self.beta2)] {
+            if !(v.is_finite() && (0.0..1.0).contains(&v)) {
+                return bad(
+                    &format!("{key} (a --config key)"),
+                    v,
+                    "at least 0 and below 1",
+                );
+            }
+        }
+        if !(self.bucket_mib.is_finite() && self.bucket_mib > 0.0) {
+            return bad(
+                "bucket_mib (a --config key)",
+                self.bucket_mib,
+                "a positive number",
+            );
+        }
+        if !(self.comm_timeout_secs > 0.0 && self.comm_timeout_secs <= MAX_TIMEOUT_SECS) {
+            return bad(
+                "--comm-timeout",
+                self.comm_timeout_secs,
+                &format!("a positive number of seconds, at most {MAX_TIMEOUT_SECS:e}"),
+            );
         }
         Ok(())
+    }
+
+    /// The error for interleaving with a microbatch count that is not a multiple of
+    /// `pp`, with changes that are accepted as they are.
+    fn interleaved_advice(&self) -> String {
+        let (pp, m) = (self.pp, self.microbatches);
+        let up = (m / pp + 1) * pp;
+        let split = self.dp * up;
+        let batch = match self.batch.is_multiple_of(split) {
+            true => String::new(),
+            false => format!(" --batch {}", self.batch.div_ceil(split) * split),
+        };
+        format!(
+            "the interleaved schedule on --pp {pp} needs --microbatches to be a multiple of {pp}, \
+             got {m}: use --microbatches {up}{batch}, or --schedule 1f1b (without --virtual-stages)"
+        )
+    }
+
+    /// Bytes of parameters, gradients and optimizer state of one replica of the model:
+    /// [`BYTES_PER_PARAM`] per parameter. Activations come on top.
+    pub fn state_bytes(&self) -> u128 {
+        self.model.param_count() as u128 * u128::from(BYTES_PER_PARAM)
+    }
+
+    /// Checks what this machine must hold for `local_workers` of the job's workers (all
+    /// of them on threads; under MPI, this node's): their threads, and their
+    /// parameters, gradients and optimizer state in the memory available now. Returns
+    /// the compute threads per worker (`threads_per_worker`, or the cores shared out).
+    pub fn check_machine(&self, local_workers: usize) -> Result<usize, String> {
+        let threads = self.check_threads(local_workers, thread_limit())?;
+        self.check_memory(local_workers, memory_info().available)?;
+        Ok(threads)
+    }
+
+    /// Refuses more than `limit` compute threads for `local_workers` workers; returns
+    /// the threads per worker.
+    pub fn check_threads(&self, local_workers: usize, limit: usize) -> Result<usize, String> {
+        let threads = match self.threads_per_worker {
+            0 => switchyard_comm::threads::default_threads_per_worker(local_workers),
+            n => n,
+        };
+        let total = local_workers.saturating_mul(threads);
+        if total > limit {
+            return Err(format!(
+                "{local_workers} workers (--dp {} × --pp {} × --tp {}) × {threads} threads each \
+                 is {total} threads on this machine, more than {limit} ({THREAD_LIMIT_WHY}): \
+                 use fewer workers or --threads-per-worker, or spread the ranks over machines \
+                 with --backend mpi",
+                self.dp, self.pp, self.tp
+            ));
+        }
+        Ok(threads)
+    }
+
+    /// Refuses a run whose `local_workers` workers' parameters, gradients and optimizer
+    /// state alone exceed `available` bytes (no check when `None`).
+    pub fn check_memory(&self, local_workers: usize, available: Option<u64>) -> Result<(), String> {
+        let Some(available) = available else {
+            return Ok(());
+        };
+        // dp replicas, each spread over pp × tp workers; this machine holds its share.
+        let world = self.world_size().max(1) as u128;
+        let need = self.state_bytes() * self.dp as u128 * local_workers as u128 / world;
+        if need > u128::from(available) {
+            return Err(format!(
+                "not enough memory: {:.2}M parameters × {BYTES_PER_PARAM} bytes (f32 value and \
+                 gradient, AdamW's two f64 moments) × {} replica(s) need {} for {local_workers} \
+                 workers here, before any activation, but this machine has {} available; use a \
+                 smaller model or fewer data-parallel replicas",
+                self.model.param_count() as f64 / 1e6,
+                self.dp,
+                human_bytes(need),
+                human_bytes(u128::from(available))
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Bytes each worker keeps per parameter it holds: the f32 value and gradient, and
+/// AdamW's first and second moments, which the optimizer keeps in f64.
+pub const BYTES_PER_PARAM: u64 = 4 + 4 + 8 + 8;
+
+/// The most (stage, microbatch) pairs a step's schedule may have: generating,
+/// lowering and validating a program is linear in them.
+pub const MAX_SCHEDULE_PAIRS: usize = 1 << 20;
+
+/// The longest `--comm-timeout`, in seconds (about 31 years); beyond it a timeout is
+/// not a bound.
+pub const MAX_TIMEOUT_SECS: f64 = 1e9;
+
+const THREAD_LIMIT_WHY: &str =
+    "16 per core and at least 1024: each worker is an OS thread with its own compute pool, \
+     and far more threads than cores only adds switching";
+
+/// The most compute threads one process may start: 16 per core, and at least 1024.
+pub fn thread_limit() -> usize {
+    (16 * switchyard_comm::threads::available_cores()).max(1024)
+}
+
+/// This machine's memory in bytes, from `/proc/meminfo` (Linux); `None` where it
+/// cannot be read.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct MemoryInfo {
+    /// `MemTotal`.
+    pub total: Option<u64>,
+    /// `MemAvailable`: what can be allocated without swapping.
+    pub available: Option<u64>,
+}
+
+/// Reads [`MemoryInfo`] now.
+pub fn memory_info() -> MemoryInfo {
+    std::fs::read_to_string("/proc/meminfo")
+        .map(|t| parse_meminfo(&t))
+        .unwrap_or_default()
+}
+
+fn parse_meminfo(text: &str) -> MemoryInfo {
+    let field = |name: &str| {
+        text.lines().find_map(|l| {
+            let rest = l.strip_prefix(name)?.strip_prefix(':')?;
+            let kib: u64 = rest.trim().strip_suffix("kB")?.trim().parse().ok()?;
+            kib.checked_mul(1024)
+        })
+    };
+    MemoryInfo {
+        total: field("MemTotal"),
+        available: field("MemAvailable"),
+    }
+}
+
+/// `n` bytes for people: `1.50 GiB`.
+fn human_bytes(n: u128) -> String {
+    let units = ["bytes", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
+    let mut x = n as f64;
+    let mut u = 0;
+    while x >= 1024.0 && u + 1 < units.len() {
+        x /= 1024.0;
+        u += 1;
+    }
+    match u {
+        0 => format!("{n} bytes"),
+        _ => format!("{x:.2} {}", units[u]),
     }
 }
 
@@ -258,5 +524,242 @@ mod tests {
         assert!(err(|c| c.seq_len = 65).contains("block size 64"));
         assert!(err(|c| c.split = SplitSpec::Counts(vec![3, 3])).contains("asks for 6 layers"));
         assert!(err(|c| c.schedule = "pipedream".into()).contains("pipedream"));
+    }
+
+    #[test]
+    fn layout_products_that_overflow_are_errors() {
+        let e = err(|c| c.dp = 9223372036854775809);
+        assert!(
+            e.contains("--dp 9223372036854775809 × --pp 2 × --tp 2 overflows"),
+            "{e}"
+        );
+        let e = err(|c| {
+            c.dp = 4294967296;
+            c.microbatches = 4294967296;
+        });
+        assert!(
+            e.contains("--dp 4294967296 × --microbatches 4294967296 overflows"),
+            "{e}"
+        );
+        let e = err(|c| {
+            c.schedule = "interleaved".into();
+            c.virtual_stages = usize::MAX;
+        });
+        assert!(
+            e.contains("--pp 2 × --virtual-stages 18446744073709551615 overflows"),
+            "{e}"
+        );
+        let c = TrainConfig {
+            dp: usize::MAX,
+            ..TrainConfig::default()
+        };
+        assert_eq!(c.world_size(), usize::MAX);
+    }
+
+    #[test]
+    fn more_stages_than_layers_is_refused_before_any_schedule_is_built() {
+        // Generating and validating a million-rank schedule takes minutes; the layer
+        // count refuses it at once.
+        let e = err(|c| c.pp = 1_000_000);
+        assert!(
+            e.contains("1000000 stages but the model has only 4 layers"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_schedule_too_large_to_build_is_refused() {
+        let e = err(|c| {
+            c.microbatches = MAX_SCHEDULE_PAIRS;
+            c.batch = MAX_SCHEDULE_PAIRS;
+        });
+        assert!(e.contains("a schedule too large to build"), "{e}");
+    }
+
+    #[test]
+    fn every_float_setting_is_checked_and_named() {
+        type Set = fn(&mut TrainConfig, f64);
+        let cases: [(&str, Set); 8] = [
+            ("--lr", |c, v| c.lr = v),
+            ("--min-lr", |c, v| c.min_lr = v),
+            ("--weight-decay", |c, v| c.weight_decay = v),
+            ("--grad-clip", |c, v| c.grad_clip = v),
+            ("beta1 (a --config key)", |c, v| c.beta1 = v),
+            ("beta2 (a --config key)", |c, v| c.beta2 = v),
+            ("bucket_mib (a --config key)", |c, v| c.bucket_mib = v),
+            ("--comm-timeout", |c, v| c.comm_timeout_secs = v),
+        ];
+        for (name, set) in cases {
+            for v in [f64::NAN, f64::INFINITY, -1.0] {
+                let e = err(|c| set(c, v));
+                assert!(e.starts_with(&format!("{name} must be")), "{name} {v}: {e}");
+                assert!(e.ends_with(&format!("got {v}")), "{name} {v}: {e}");
+            }
+        }
+        assert!(err(|c| c.beta1 = 1.0)
+            .contains("beta1 (a --config key) must be at least 0 and below 1, got 1"));
+        assert!(err(|c| c.beta2 = 1.5).contains("beta2"));
+        assert!(err(|c| c.min_lr = 1.0)
+            .contains("--min-lr must be a number from 0 to --lr (0.003), got 1"));
+        assert!(err(|c| c.lr = 0.0).contains("--lr must be a positive number, got 0"));
+        assert!(err(|c| c.comm_timeout_secs = 1e300).contains("--comm-timeout"));
+        // Zero is allowed where it means "off".
+        let c = TrainConfig {
+            weight_decay: 0.0,
+            grad_clip: 0.0,
+            min_lr: 0.0,
+            beta1: 0.0,
+            ..TrainConfig::default()
+        };
+        c.validate().unwrap();
+    }
+
+    #[test]
+    fn threads_are_capped_and_say_why() {
+        let e = err(|c| c.threads_per_worker = 100_000);
+        assert!(
+            e.contains("--threads-per-worker 100000 is more than"),
+            "{e}"
+        );
+        let mut c = TrainConfig {
+            dp: 100_000,
+            ..TrainConfig::default()
+        };
+        let e = c.check_threads(c.world_size(), 1024).unwrap_err();
+        assert!(
+            e.contains(
+                "400000 workers (--dp 100000 × --pp 2 × --tp 2) × 1 threads each is 400000 threads"
+            ),
+            "{e}"
+        );
+        assert!(e.contains("more than 1024 (16 per core"), "{e}");
+        c.dp = 1;
+        c.threads_per_worker = 300;
+        assert!(c
+            .check_threads(4, 1024)
+            .unwrap_err()
+            .contains("1200 threads"));
+        assert_eq!(c.check_threads(3, 1024), Ok(300));
+        c.threads_per_worker = 0;
+        assert!(c.check_threads(4, 1024).unwrap() >= 1);
+        assert!(thread_limit() >= 1024);
+    }
+
+    #[test]
+    fn a_model_larger_than_memory_is_refused_with_the_sizes() {
+        let mut c = TrainConfig::default();
+        c.model.d_model = 16384;
+        c.model.n_layer = 96;
+        let need = c.state_bytes() * c.dp as u128;
+        // 309 B parameters × 24 bytes.
+        assert!(
+            need > 7_000_000_000_000 && need < 8_000_000_000_000,
+            "{need}"
+        );
+        let e = c.check_memory(4, Some(64 << 30)).unwrap_err();
+        assert!(e.contains("need 6.75 TiB for 4 workers here"), "{e}");
+        assert!(e.contains("this machine has 64.00 GiB available"), "{e}");
+        // The machine's share under MPI: 1 of the 4 workers.
+        let e = c.check_memory(1, Some(64 << 30)).unwrap_err();
+        assert!(e.contains("need 1.69 TiB for 1 workers"), "{e}");
+        assert!(c.check_memory(4, None).is_ok());
+        // On no machine of today does it fit in total memory either.
+        let e = c.validate().unwrap_err();
+        assert!(e.contains("the model does not fit"), "{e}");
+        let small = TrainConfig::default();
+        assert!(small.check_memory(4, Some(1 << 30)).is_ok());
+        assert!(small.check_memory(4, Some(1 << 10)).is_err());
+    }
+
+    #[test]
+    fn meminfo_is_parsed() {
+        let m = parse_meminfo(
+            "MemTotal:       16318412 kB\nMemFree: 1 kB\nMemAvailable:    8000000 kB\n",
+        );
+        assert_eq!(m.total, Some(16318412 * 1024));
+        assert_eq!(m.available, Some(8000000 * 1024));
+        let m = parse_meminfo("nothing here");
+        assert!(m.total.is_none() && m.available.is_none());
+        assert_eq!(human_bytes(1536 << 20), "1.50 GiB");
+        assert_eq!(human_bytes(12), "12 bytes");
+    }
+
+    #[test]
+    fn interleaving_advice_is_accepted_as_given() {
+        let base = |c: &mut TrainConfig| {
+            c.schedule = "interleaved".into();
+            c.virtual_stages = 2;
+            c.microbatches = 3;
+            c.batch = 12;
+            c.pp = 2;
+        };
+        let e = err(base);
+        assert!(
+            e.contains("use --microbatches 4, or --schedule 1f1b (without --virtual-stages)"),
+            "{e}"
+        );
+        let mut c = TrainConfig::default();
+        base(&mut c);
+        c.microbatches = 4;
+        c.validate().unwrap();
+        let mut c = TrainConfig::default();
+        base(&mut c);
+        c.schedule = "1f1b".into();
+        c.virtual_stages = 1;
+        c.validate().unwrap();
+        // When the batch does not split into the suggested count, the advice says so.
+        let e = err(|c| {
+            base(c);
+            c.batch = 6;
+        });
+        assert!(e.contains("use --microbatches 4 --batch 8,"), "{e}");
+        let mut c = TrainConfig::default();
+        base(&mut c);
+        (c.microbatches, c.batch) = (4, 8);
+        c.validate().unwrap();
+    }
+
+    #[test]
+    fn schedule_files_must_end_in_csv() {
+        let e = err(|c| c.schedule = "my-schedule.txt".into());
+        assert!(e.contains("--schedule my-schedule.txt: not a schedule name, and a schedule file must end in .csv"), "{e}");
+    }
+
+    #[test]
+    fn a_csv_whose_stages_do_not_share_out_says_so() {
+        let dir = std::env::temp_dir().join(format!("switchyard-config-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        // 3 stages on 2 ranks: no --virtual-stages fits.
+        let path = dir.join("three.csv");
+        std::fs::write(&path, "0,0F0,2F0,2B0,0B0\n1,1F0,1B0\n").unwrap();
+        let e = err(|c| {
+            c.schedule = path.display().to_string();
+            c.microbatches = 1;
+            c.model.n_layer = 4;
+        });
+        assert!(
+            e.contains("has 3 stages on 2 ranks: every rank must run the same number of stages"),
+            "{e}"
+        );
+        assert!(!e.contains("--virtual-stages 1"), "{e}");
+        // 4 stages on 2 ranks: the advice is accepted.
+        let path = dir.join("four.csv");
+        std::fs::write(&path, interleaved_csv()).unwrap();
+        let set = |c: &mut TrainConfig| {
+            c.schedule = path.display().to_string();
+            c.microbatches = 2;
+            c.batch = 4;
+        };
+        let e = err(set);
+        assert!(e.contains("pass --virtual-stages 2"), "{e}");
+        let mut c = TrainConfig::default();
+        set(&mut c);
+        c.virtual_stages = 2;
+        c.validate().unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    fn interleaved_csv() -> String {
+        switchyard_schedule::interleaved(2, 2, 2).unwrap().to_csv()
     }
 }

@@ -37,10 +37,38 @@ impl Corpus {
         }
     }
 
+    /// Reads a regular file whole. A device, pipe or directory (`/dev/zero` would be
+    /// read until memory runs out) and a file larger than the memory available now
+    /// are refused, naming the path.
     pub fn from_file(path: &Path) -> std::result::Result<Corpus, String> {
-        let bytes = std::fs::read(path)
-            .map_err(|e| format!("cannot read --data {}: {e}", path.display()))?;
-        Ok(Corpus::from_bytes(path.display().to_string(), bytes))
+        Corpus::from_file_within(path, crate::memory_info().available)
+    }
+
+    /// [`Corpus::from_file`] with the memory bound given (`None`: no bound).
+    pub fn from_file_within(
+        path: &Path,
+        available: Option<u64>,
+    ) -> std::result::Result<Corpus, String> {
+        let shown = path.display();
+        let meta =
+            std::fs::metadata(path).map_err(|e| format!("cannot read --data {shown}: {e}"))?;
+        if !meta.is_file() {
+            return Err(format!(
+                "--data {shown} is not a regular file: give a text file (a device, pipe or \
+                 directory cannot be read as a corpus)"
+            ));
+        }
+        if let Some(available) = available {
+            if meta.len() > available {
+                return Err(format!(
+                    "--data {shown} has {} bytes, more than the {available} bytes of memory \
+                     available: the corpus is read into memory whole; use a smaller file",
+                    meta.len()
+                ));
+            }
+        }
+        let bytes = std::fs::read(path).map_err(|e| format!("cannot read --data {shown}: {e}"))?;
+        Ok(Corpus::from_bytes(shown.to_string(), bytes))
     }
 
     pub fn len(&self) -> usize {
@@ -147,6 +175,29 @@ mod tests {
         // A slice of the global batch is the same rows.
         let (xs, _) = c.batch(5, 3, 2..4, 16).unwrap();
         assert_eq!(xs.to_vec2::<u32>().unwrap(), x[2..4]);
+    }
+
+    #[test]
+    fn only_regular_files_that_fit_in_memory_are_read() {
+        let e = Corpus::from_file(Path::new("/dev/zero")).err().unwrap();
+        assert!(e.contains("--data /dev/zero is not a regular file"), "{e}");
+        let dir = std::env::temp_dir();
+        let e = Corpus::from_file(&dir).err().unwrap();
+        assert!(e.contains("is not a regular file"), "{e}");
+        let path = dir.join(format!("switchyard-data-{}.txt", std::process::id()));
+        std::fs::write(&path, b"0123456789").unwrap();
+        let e = Corpus::from_file_within(&path, Some(9)).err().unwrap();
+        assert!(
+            e.contains("has 10 bytes, more than the 9 bytes of memory available"),
+            "{e}"
+        );
+        assert_eq!(Corpus::from_file_within(&path, Some(10)).unwrap().len(), 10);
+        assert_eq!(Corpus::from_file(&path).unwrap().len(), 10);
+        std::fs::remove_file(&path).unwrap();
+        let e = Corpus::from_file(Path::new("/nonexistent/x.txt"))
+            .err()
+            .unwrap();
+        assert!(e.contains("cannot read --data /nonexistent/x.txt"), "{e}");
     }
 
     #[test]

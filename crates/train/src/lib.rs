@@ -49,13 +49,18 @@ pub mod bench;
 pub mod checkpoint;
 mod config;
 pub mod data;
+pub mod export;
 pub mod optim;
 mod report;
+pub mod run_dir;
 mod trainer;
 pub mod weights;
 mod worker;
 
-pub use config::TrainConfig;
+pub use config::{
+    memory_info, thread_limit, MemoryInfo, TrainConfig, BYTES_PER_PARAM, MAX_SCHEDULE_PAIRS,
+    MAX_TIMEOUT_SECS,
+};
 pub use report::{PipelineRankReport, StepRecord, TrainReport};
 pub use trainer::{train, train_rank, Resume, TrainOptions};
 pub use worker::{NonFinite, StepMetrics, Worker};

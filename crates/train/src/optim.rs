@@ -246,4 +246,98 @@ mod tests {
         assert_eq!(opt.t, 1);
         Ok(())
     }
+
+    /// Seven steps of [`AdamW`] with the [`LrSchedule`] against a plain scalar
+    /// implementation written here from the definitions (PyTorch's `AdamW`): the
+    /// moments and the bias correction at t ≥ 2, decoupled weight decay on the matrix
+    /// only, and the learning rate of each step.
+    #[test]
+    fn adamw_over_several_steps_matches_an_independent_implementation() -> Result<()> {
+        let (b1, b2, eps, wd) = (0.8, 0.99, 1e-6, 0.05);
+        let (max_lr, min_lr, warmup, total) = (0.1, 0.01, 2usize, 6usize);
+        let lr_at = |step: usize| -> f64 {
+            if step < warmup {
+                max_lr * (step as f64 + 1.0) / warmup as f64
+            } else if step >= total {
+                min_lr
+            } else {
+                let progress = (step - warmup) as f64 / (total - warmup) as f64;
+                min_lr + (max_lr - min_lr) * (1.0 + (std::f64::consts::PI * progress).cos()) / 2.0
+            }
+        };
+        // The gradient of element i of parameter k at step s: varied signs and sizes.
+        let grad = |k: usize, i: usize, s: usize| -> f64 {
+            (((k * 7 + i * 3 + s * 5) % 11) as f64 - 5.0) / 4.0 + 0.01 * s as f64
+        };
+        let init: [Vec<f64>; 2] = [vec![1.0, -2.0, 0.5, 3.0, -0.25, 0.75], vec![0.3, -0.7]];
+
+        let w = Var::from_vec(init[0].clone(), (2, 3), &Device::Cpu)?;
+        let b = Var::from_vec(init[1].clone(), 2, &Device::Cpu)?;
+        let cfg = AdamWConfig {
+            beta1: b1,
+            beta2: b2,
+            eps,
+            weight_decay: wd,
+        };
+        let mut opt = AdamW::new(vec![w.clone(), b.clone()], cfg);
+        let schedule = LrSchedule {
+            max_lr,
+            min_lr,
+            warmup,
+            total,
+        };
+
+        // The reference: one f64 per element, plain loops.
+        let mut x = init.clone();
+        let mut m = [vec![0.0; 6], vec![0.0; 2]];
+        let mut v = [vec![0.0; 6], vec![0.0; 2]];
+        let decayed = [true, false];
+
+        for step in 0..7 {
+            let lr = lr_at(step);
+            assert!((schedule.at(step) - lr).abs() < 1e-15, "lr at step {step}");
+            let g: Vec<Vec<f64>> = (0..2)
+                .map(|k| (0..x[k].len()).map(|i| grad(k, i, step)).collect())
+                .collect();
+            opt.step(
+                &[
+                    Some(Tensor::from_vec(g[0].clone(), (2, 3), &Device::Cpu)?),
+                    Some(Tensor::from_vec(g[1].clone(), 2, &Device::Cpu)?),
+                ],
+                schedule.at(step),
+            )?;
+            let t = (step + 1) as i32;
+            for k in 0..2 {
+                for i in 0..x[k].len() {
+                    if decayed[k] {
+                        x[k][i] *= 1.0 - lr * wd;
+                    }
+                    m[k][i] = b1 * m[k][i] + (1.0 - b1) * g[k][i];
+                    v[k][i] = b2 * v[k][i] + (1.0 - b2) * g[k][i] * g[k][i];
+                    let m_hat = m[k][i] / (1.0 - b1.powi(t));
+                    let v_hat = v[k][i] / (1.0 - b2.powi(t));
+                    x[k][i] -= lr * m_hat / (v_hat.sqrt() + eps);
+                }
+            }
+            let got = [
+                w.as_tensor().flatten_all()?.to_vec1::<f64>()?,
+                b.as_tensor().to_vec1::<f64>()?,
+            ];
+            for k in 0..2 {
+                for i in 0..x[k].len() {
+                    let (a, e) = (got[k][i], x[k][i]);
+                    assert!(
+                        (a - e).abs() <= 1e-12 * e.abs().max(1.0),
+                        "step {step}, parameter {k}, element {i}: {a} vs {e}"
+                    );
+                    assert!((opt.moments[k].m[i] - m[k][i]).abs() < 1e-15);
+                    assert!((opt.moments[k].v[i] - v[k][i]).abs() < 1e-15);
+                }
+            }
+        }
+        assert_eq!(opt.t, 7);
+        // The parameters moved well away from where they started.
+        assert!((x[0][3] - init[0][3]).abs() > 0.1 && (x[1][1] - init[1][1]).abs() > 0.1);
+        Ok(())
+    }
 }

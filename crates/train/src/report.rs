@@ -8,11 +8,12 @@
 use std::collections::BTreeMap;
 use std::io::{IsTerminal, Write};
 use std::path::Path;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use candle_core::{Device, Tensor};
 use serde::Serialize;
+use switchyard_pipeline::step_bubbles;
 use switchyard_schedule::{simulate, Action, Costs, Op};
 
 use crate::worker::{StepMetrics, Worker};
@@ -42,19 +43,25 @@ impl StepRecord {
     }
 }
 
-/// Measured against predicted pipeline figures for one pipeline rank.
+/// Measured and counted against predicted pipeline figures for one pipeline rank.
 #[derive(Debug, Clone, Serialize)]
 pub struct PipelineRankReport {
     pub pp_rank: usize,
-    /// Idle fraction of the executor's step time, measured (median over steps).
+    /// Idle fraction of the step, measured from the executor's timings (median over the
+    /// steps after the first): `1 − compute / makespan`, the makespan being the longest
+    /// executor step of any rank ([`switchyard_pipeline::step_bubbles`]).
     pub bubble_measured: f64,
-    /// The simulator's bubble for this rank with costs F=1, B=2 (I=2, W=0 for a split
-    /// backward, as the executor runs it).
+    /// The simulator's bubble for this rank with the costs that actually run: F=1, B=2,
+    /// and for a split backward (ZB-H1) I=2, W=0, because the executor's `I` runs the
+    /// whole backward and its `W` only adds the kept weight gradients.
     pub bubble_predicted: f64,
-    /// Most microbatches whose activations this rank held at once (measured).
+    /// Most microbatches whose activations this rank had stashed at once, counted from
+    /// the executed order of actions (+1 at a forward, −1 at its backward, or at its `W`
+    /// for a split backward): a count, not a measurement of memory.
     pub peak_activations: usize,
+    /// The same count from the simulator.
     pub peak_activations_predicted: u32,
-    /// The measured peak of each stage this rank runs, `(stage, microbatches)`.
+    /// The counted peak of each stage this rank runs, `(stage, microbatches)`.
     pub peak_per_stage: Vec<(u32, usize)>,
 }
 
@@ -66,6 +73,11 @@ pub struct TrainReport {
     pub tokens_per_s: f64,
     pub pipeline: Vec<PipelineRankReport>,
     pub world_size: usize,
+    /// The run stopped early because [`TrainOptions::stop`](crate::TrainOptions::stop)
+    /// was set; `steps` holds the steps it finished.
+    pub interrupted: bool,
+    /// The newest checkpoint this run saved, if any.
+    pub last_checkpoint: Option<std::path::PathBuf>,
 }
 
 impl TrainReport {
@@ -93,7 +105,7 @@ impl TrainReport {
             self.tokens_per_s
         );
         if cfg.pp > 1 {
-            s += "pipeline   bubble measured   bubble predicted   peak activations (measured / predicted)   per stage\n";
+            s += "pipeline   bubble measured   bubble predicted   peak stashed microbatches (counted / predicted)   per stage\n";
             for p in &self.pipeline {
                 let stages: Vec<String> = p
                     .peak_per_stage
@@ -101,7 +113,7 @@ impl TrainReport {
                     .map(|(k, v)| format!("{k}:{v}"))
                     .collect();
                 s += &format!(
-                    "  rank {:<4} {:>14.1}% {:>17.1}%   {:>3} / {:<36} {}\n",
+                    "  rank {:<4} {:>14.1}% {:>17.1}%   {:>3} / {:<44} {}\n",
                     p.pp_rank,
                     100.0 * p.bubble_measured,
                     100.0 * p.bubble_predicted,
@@ -123,14 +135,16 @@ pub(crate) fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-/// This rank's pipeline figures, as a fixed-size row: median bubble, peak, then
-/// `(stage, peak)` for up to `v` stages (padded with −1).
+/// The steps whose timings count: all but the first (which includes warming up), unless
+/// there is only one.
+fn timed(steps: &[StepMetrics]) -> &[StepMetrics] {
+    &steps[usize::from(steps.len() > 1)..]
+}
+
+/// This rank's pipeline figures, as a fixed-size row: peak, then `(stage, peak)` for up
+/// to `v` stages (padded with −1), then the executor's compute and wall seconds of each
+/// [`timed`] step.
 fn rank_row(steps: &[StepMetrics], v: usize) -> Vec<f64> {
-    let bubbles = steps
-        .iter()
-        .skip(usize::from(steps.len() > 1))
-        .map(|s| 1.0 - s.exec.compute.as_secs_f64() / s.exec.wall.as_secs_f64().max(1e-12))
-        .collect();
     let mut per_stage: BTreeMap<u32, usize> = BTreeMap::new();
     for s in steps {
         for (&k, &p) in &s.exec.peak_per_stage {
@@ -138,21 +152,41 @@ fn rank_row(steps: &[StepMetrics], v: usize) -> Vec<f64> {
             *e = (*e).max(p);
         }
     }
-    let mut row = vec![
-        median(bubbles),
-        steps
-            .iter()
-            .map(|s| s.exec.peak_activations)
-            .max()
-            .unwrap_or(0) as f64,
-    ];
+    let mut row = vec![steps
+        .iter()
+        .map(|s| s.exec.peak_activations)
+        .max()
+        .unwrap_or(0) as f64];
     for i in 0..v {
         match per_stage.iter().nth(i) {
             Some((&k, &p)) => row.extend([k as f64, p as f64]),
             None => row.extend([-1.0, -1.0]),
         }
     }
+    let timed = timed(steps);
+    row.extend(timed.iter().map(|s| s.exec.compute.as_secs_f64()));
+    row.extend(timed.iter().map(|s| s.exec.wall.as_secs_f64()));
     row
+}
+
+/// The median over steps of each rank's bubble (see [`switchyard_pipeline::step_bubbles`]),
+/// from every rank's row of [`rank_row`]: `n` steps of `(compute, wall)` from `offset`.
+fn median_bubbles(rows: &[f64], width: usize, offset: usize, n: usize) -> Vec<f64> {
+    let ranks = rows.len() / width;
+    let secs = Duration::from_secs_f64;
+    let mut per_rank = vec![Vec::with_capacity(n); ranks];
+    for step in 0..n {
+        let timings: Vec<(Duration, Duration)> = (0..ranks)
+            .map(|r| {
+                let row = &rows[r * width + offset..];
+                (secs(row[step]), secs(row[n + step]))
+            })
+            .collect();
+        for (r, b) in step_bubbles(&timings).into_iter().enumerate() {
+            per_rank[r].push(b);
+        }
+    }
+    per_rank.into_iter().map(median).collect()
 }
 
 /// Assembles the report on rank 0 (`None` elsewhere) and writes the trace to `trace`.
@@ -180,8 +214,9 @@ pub(crate) fn gather(
     if let (Some(path), Some(events)) = (trace, events) {
         write_trace(cfg, path, events)?;
     }
-    // The executor runs the whole backward in `I` and only adds the kept weight
-    // gradients in `W` (see switchyard-pipeline), so predict with those costs.
+    // ZB-H1 runs, but not yet as a zero-bubble schedule: the executor's `I` runs the
+    // whole backward and `W` only adds the kept weight gradients (see
+    // switchyard-pipeline), so predict with the costs that actually run.
     let costs = match worker.program().has_split_backward() {
         true => Costs {
             i: 2.0,
@@ -191,6 +226,8 @@ pub(crate) fn gather(
         false => Costs::default(),
     };
     let predicted = simulate(worker.program(), &costs)?;
+    let offset = 1 + 2 * v;
+    let bubbles = median_bubbles(&rows, width, offset, timed(steps).len());
     let mesh = cfg.mesh();
     let pipeline = (0..cfg.pp)
         .map(|pp_rank| {
@@ -202,11 +239,11 @@ pub(crate) fn gather(
             let x = &rows[r * width..(r + 1) * width];
             PipelineRankReport {
                 pp_rank,
-                bubble_measured: x[0],
+                bubble_measured: bubbles[r],
                 bubble_predicted: predicted.ranks[pp_rank].bubble_fraction,
-                peak_activations: x[1] as usize,
+                peak_activations: x[0] as usize,
                 peak_activations_predicted: predicted.ranks[pp_rank].peak_activations,
-                peak_per_stage: x[2..]
+                peak_per_stage: x[1..offset]
                     .chunks(2)
                     .filter(|c| c[0] >= 0.0)
                     .map(|c| (c[0] as u32, c[1] as usize))
@@ -227,6 +264,8 @@ pub(crate) fn gather(
         tokens_per_s,
         pipeline,
         world_size: cfg.world_size(),
+        interrupted: false,
+        last_checkpoint: None,
     }))
 }
 
@@ -301,14 +340,23 @@ pub(crate) struct Sink {
 }
 
 impl Sink {
+    /// Opens the metrics file: a new run truncates it, a resumed run (`append`) adds its
+    /// steps after the lines already there, so that resuming with the same `--metrics`
+    /// never loses the earlier steps' records.
     pub(crate) fn open(
         metrics: Option<&Path>,
+        append: bool,
         progress: bool,
         steps: usize,
     ) -> anyhow::Result<Sink> {
         let metrics = match metrics {
             Some(p) => Some(
-                std::fs::File::create(p)
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .write(true)
+                    .append(append)
+                    .truncate(!append)
+                    .open(p)
                     .with_context(|| format!("cannot create --metrics {}", p.display()))?,
             ),
             None => None,
@@ -351,5 +399,27 @@ impl Sink {
         } else if done == 1 || done == self.steps || done.is_multiple_of((self.steps / 10).max(1)) {
             eprintln!("{line}");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_bubble_counts_a_rank_idle_until_the_slowest_rank_is_done() {
+        // Two ranks, one stage each (v = 1), two timed steps. Rows: peak, (stage, peak),
+        // compute of each step, wall of each step. Rank 1 computes as much as rank 0 but
+        // finishes its own part early: it is idle until rank 0 ends the step.
+        let rows = [
+            [2.0, 0.0, 2.0, 0.8, 0.8, 1.0, 1.0],
+            [1.0, 1.0, 1.0, 0.8, 0.6, 0.9, 1.2],
+        ]
+        .concat();
+        let b = median_bubbles(&rows, 7, 3, 2);
+        // Step 0: makespan 1.0 → 0.2, 0.2; step 1: makespan 1.2 → 1/3, 0.5.
+        // The median of two values is the larger one (index len / 2).
+        assert!((b[0] - (1.0 - 0.8 / 1.2)).abs() < 1e-12, "{b:?}");
+        assert!((b[1] - 0.5).abs() < 1e-12, "{b:?}");
     }
 }

@@ -2,19 +2,21 @@
 //! save checkpoints, report.
 
 use std::collections::HashMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, Context};
 use candle_core::Tensor;
 use switchyard_comm::local::Launcher;
-use switchyard_comm::Communicator;
+use switchyard_comm::{Communicator, ReduceOp};
 use switchyard_shard::ParamSource;
 
 use crate::checkpoint::{self, fnv64, Checkpoint, CorpusInfo, FileEntry, FullState, Manifest};
 use crate::data::Corpus;
 use crate::report::{gather, Sink, StepRecord, TrainReport};
+use crate::run_dir;
 use crate::weights::Weights;
 use crate::worker::Worker;
 use crate::TrainConfig;
@@ -38,6 +40,15 @@ pub struct TrainOptions {
     pub resume: Option<Resume>,
     /// Start from the weights of a `.safetensors` file (or a checkpoint) instead of the seed.
     pub init: Option<PathBuf>,
+    /// A fresh run into a `checkpoint_dir` that holds checkpoints moves them into
+    /// `DIR/stale-<their run id>/` instead of refusing to start (see [`crate::run_dir`]).
+    pub overwrite: bool,
+    /// Resume even though the configuration's seed differs from the checkpoint's.
+    pub allow_seed_change: bool,
+    /// Checked at every step boundary (e.g. set by a signal handler). Once it is set on any
+    /// rank, every rank stops after the same step (they agree through an all-reduce), a
+    /// checkpoint is saved when `checkpoint_dir` is set, and the report is `interrupted`.
+    pub stop: Option<Arc<AtomicBool>>,
 }
 
 /// Which checkpoint `--resume` continues from.
@@ -56,6 +67,7 @@ enum Start {
     Checkpoint {
         manifest: Box<Manifest>,
         full: FullState,
+        path: PathBuf,
     },
 }
 
@@ -67,7 +79,12 @@ pub fn train(
     corpus: &Corpus,
     opts: &TrainOptions,
 ) -> anyhow::Result<TrainReport> {
+    // Every worker is a thread of this process: check its threads and memory first.
+    cfg.validate()
+        .and_then(|()| cfg.check_machine(cfg.world_size()))
+        .map_err(|e| anyhow!("invalid configuration: {e}"))?;
     let ctx = RankContext::prepare(cfg, corpus, opts)?;
+    ctx.plan.apply()?;
     let mut launcher =
         Launcher::new(cfg.world_size()).timeout(Duration::from_secs_f64(cfg.comm_timeout_secs));
     if cfg.threads_per_worker > 0 {
@@ -104,6 +121,11 @@ pub fn train_rank(
         );
     }
     let ctx = RankContext::prepare(cfg, corpus, opts)?;
+    // Only rank 0 changes the checkpoint directory; the others wait for it.
+    if world.rank() == 0 {
+        ctx.plan.apply()?;
+    }
+    world.barrier()?;
     run_rank(world, &ctx)
 }
 
@@ -114,6 +136,42 @@ struct RankContext<'a> {
     corpus_info: CorpusInfo,
     opts: &'a TrainOptions,
     start: Start,
+    /// Recorded in every manifest this run writes.
+    run_id: String,
+    plan: DirPlan,
+}
+
+/// What happens to the checkpoint directory before the first step (see [`run_dir`]).
+#[derive(Default)]
+struct DirPlan {
+    /// The checkpoint a resumed run starts from: (step, path).
+    resumed: Option<(usize, PathBuf)>,
+    /// Checkpoints to move aside, the directory name they go into, and why.
+    aside: Vec<(usize, PathBuf)>,
+    aside_name: String,
+    why: String,
+    dir: PathBuf,
+}
+
+impl DirPlan {
+    /// Moves the stale checkpoints aside and says so, and what the run resumes from.
+    fn apply(&self) -> anyhow::Result<()> {
+        if let Some((step, path)) = &self.resumed {
+            eprintln!("switchyard: resumed from step {step} ({})", path.display());
+        }
+        if self.aside.is_empty() {
+            return Ok(());
+        }
+        let into = run_dir::move_aside(&self.dir, &self.aside, &self.aside_name)?;
+        let steps: Vec<String> = self.aside.iter().map(|(n, _)| n.to_string()).collect();
+        eprintln!(
+            "switchyard: moved the checkpoints of steps {} ({}) aside into {}",
+            steps.join(", "),
+            self.why,
+            into.display()
+        );
+        Ok(())
+    }
 }
 
 impl<'a> RankContext<'a> {
@@ -132,14 +190,61 @@ impl<'a> RankContext<'a> {
             fnv64: fnv64(corpus.bytes()),
         };
         let start = prepare_start(cfg, opts, &corpus_info)?;
+        let (run_id, plan) = prepare_dir(cfg, opts, &start)?;
         Ok(RankContext {
             cfg,
             corpus,
             corpus_info,
             opts,
             start,
+            run_id,
+            plan,
         })
     }
+}
+
+/// Checks, before any work, that the run may write into its checkpoint directory (which
+/// is created and probed), and plans what moves aside; returns the run id.
+fn prepare_dir(
+    cfg: &TrainConfig,
+    opts: &TrainOptions,
+    start: &Start,
+) -> anyhow::Result<(String, DirPlan)> {
+    let resumed = match start {
+        Start::Checkpoint { manifest, path, .. } => Some((manifest.as_ref(), path)),
+        _ => None,
+    };
+    let run_id = match resumed {
+        Some((m, _)) if !m.run_id.is_empty() => m.run_id.clone(),
+        _ => run_dir::new_run_id(cfg.seed),
+    };
+    let Some(dir) = &opts.checkpoint_dir else {
+        return Ok((run_id, DirPlan::default()));
+    };
+    let plan = match resumed {
+        Some((m, path)) => {
+            run_dir::prepare_dir(dir)?;
+            DirPlan {
+                resumed: Some((m.step, path.clone())),
+                aside: run_dir::steps_after(dir, m.step)?,
+                aside_name: run_dir::stale_timeline_name(m.step),
+                why: format!("the old timeline after step {}", m.step),
+                dir: dir.clone(),
+            }
+        }
+        None => {
+            let aside = run_dir::check_fresh(dir, opts.overwrite)?;
+            run_dir::prepare_dir(dir)?;
+            DirPlan {
+                resumed: None,
+                aside_name: run_dir::overwrite_name(&aside),
+                aside,
+                why: "--overwrite".into(),
+                dir: dir.clone(),
+            }
+        }
+    };
+    Ok((run_id, plan))
 }
 
 /// Loads and checks whatever the run starts from, before any worker starts.
@@ -182,6 +287,15 @@ fn prepare_start(
                 corpus.bytes
             );
         }
+        if m.rng_seed != cfg.seed && !opts.allow_seed_change {
+            anyhow::bail!(
+                "{} was trained with --seed {}, but this run has --seed {}: resume with --seed {} (a different seed changes the data order), or pass --allow-seed-change",
+                ckpt.path.display(),
+                m.rng_seed,
+                cfg.seed,
+                m.rng_seed
+            );
+        }
         if m.step >= cfg.steps {
             anyhow::bail!(
                 "{} is already at step {} of a run of --steps {}: pass more --steps to continue",
@@ -194,10 +308,14 @@ fn prepare_start(
         return Ok(Start::Checkpoint {
             manifest: Box::new(ckpt.manifest),
             full,
+            path: ckpt.path,
         });
     }
     if let Some(path) = &opts.init {
         let w = Weights::load(path, cfg.model.n_head)?;
+        if let Some(note) = w.note(path) {
+            eprintln!("{note}");
+        }
         if w.config != cfg.model {
             anyhow::bail!(
                 "{} holds a model {:?}, but this run builds {:?}: pass matching --d-model, --layers, --heads (and --tied)",
@@ -220,12 +338,12 @@ fn run_rank(
     let (source, first_step) = match &ctx.start {
         Start::Seed => (ParamSource::Init { seed: cfg.seed }, 0),
         Start::Weights(w) => (ParamSource::Full(w.clone()), 0),
-        Start::Checkpoint { manifest, full } => {
+        Start::Checkpoint { manifest, full, .. } => {
             (ParamSource::Full(full.params.clone()), manifest.step)
         }
     };
     let mut worker = Worker::new(world, cfg, ctx.corpus, source)?;
-    if let Start::Checkpoint { manifest, full } = &ctx.start {
+    if let Start::Checkpoint { manifest, full, .. } = &ctx.start {
         worker.restore_optimizer(&full.m, &full.v, manifest.optimizer_t)?;
     }
     // One timeline for every rank's trace: start the clocks together.
@@ -234,12 +352,17 @@ fn run_rank(
     let mut sink = match me {
         0 => Some(Sink::open(
             opts.metrics.as_deref(),
+            first_step > 0,
             opts.progress,
             cfg.steps,
         )?),
         _ => None,
     };
     let mut steps = Vec::new();
+    // The newest complete checkpoint of this run, named when a later save fails.
+    let mut last_good = ctx.plan.resumed.as_ref().map(|(_, p)| p.clone());
+    let mut saved_this_run = false;
+    let mut interrupted = false;
     for step in first_step..cfg.steps {
         let m = match worker.step(step)? {
             Ok(m) => m,
@@ -261,23 +384,73 @@ fn run_rank(
             sink.step(&StepRecord::of(cfg, &m));
         }
         steps.push(m);
+        let done = step + 1;
+        let stop = done < cfg.steps && stop_requested(&worker, opts.stop.as_deref())?;
         if let Some(dir) = &opts.checkpoint_dir {
-            let done = step + 1;
-            if done == cfg.steps || (opts.save_every > 0 && done % opts.save_every == 0) {
-                save(&worker, dir, done, ctx)?;
+            let due = done == cfg.steps || (opts.save_every > 0 && done % opts.save_every == 0);
+            if due || stop {
+                save_or_explain(&worker, dir, done, ctx, last_good.as_deref())?;
+                last_good = Some(checkpoint::step_dir(dir, done));
+                saved_this_run = true;
             }
         }
+        if stop {
+            interrupted = true;
+            break;
+        }
     }
-    gather(&worker, &steps, opts.trace.as_deref())
+    let mut report = gather(&worker, &steps, opts.trace.as_deref())?;
+    if let Some(r) = report.as_mut() {
+        r.interrupted = interrupted;
+        r.last_checkpoint = last_good.filter(|_| saved_this_run);
+    }
+    Ok(report)
+}
+
+/// Whether any rank's stop flag is set: collective, so every rank stops after the same step.
+fn stop_requested(worker: &Worker, flag: Option<&AtomicBool>) -> anyhow::Result<bool> {
+    let Some(flag) = flag else {
+        return Ok(false);
+    };
+    let mine = if flag.load(Ordering::SeqCst) {
+        1f32
+    } else {
+        0f32
+    };
+    let any = worker
+        .mesh
+        .world
+        .all_reduce(
+            &Tensor::new(&[mine], &candle_core::Device::Cpu)?,
+            ReduceOp::Max,
+        )?
+        .to_vec1::<f32>()?;
+    Ok(any[0] > 0.0)
+}
+
+/// [`save`], with an error that names the last good checkpoint when it fails.
+fn save_or_explain(
+    worker: &Worker,
+    dir: &Path,
+    done: usize,
+    ctx: &RankContext,
+    last_good: Option<&Path>,
+) -> anyhow::Result<()> {
+    save(worker, dir, done, ctx).map_err(|e| {
+        let last = match last_good {
+            Some(p) => format!("the last good checkpoint is {}", p.display()),
+            None => "no earlier checkpoint of this run exists".into(),
+        };
+        // One message: the local launcher reports a failed rank's error by its Display.
+        anyhow!(
+            "saving the checkpoint of step {done} into {} failed ({e:#}); {last}",
+            dir.display()
+        )
+    })
 }
 
 /// Saves the state after `done` steps (see [`checkpoint`]). Collective over the world.
-fn save(
-    worker: &Worker,
-    dir: &std::path::Path,
-    done: usize,
-    ctx: &RankContext,
-) -> anyhow::Result<()> {
+fn save(worker: &Worker, dir: &Path, done: usize, ctx: &RankContext) -> anyhow::Result<()> {
     let world = &worker.mesh.world;
     let staging = checkpoint::staging_dir(dir, done);
     if world.rank() == 0 {
@@ -308,6 +481,7 @@ fn save(
         }
         let manifest = Manifest {
             format: checkpoint::FORMAT.into(),
+            run_id: ctx.run_id.clone(),
             step: done,
             config: ctx.cfg.clone(),
             corpus: ctx.corpus_info.clone(),

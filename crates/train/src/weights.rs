@@ -18,8 +18,10 @@ use candle_core::{DType, Device, Module, Tensor, D};
 use switchyard_models::{plan_stages, GptConfig, GptStage, LayerCosts, SplitSpec};
 use switchyard_shard::{single_device, ParamSource, ParamStore};
 
-use crate::checkpoint::{write_atomic, Checkpoint};
+use crate::checkpoint::Checkpoint;
 use crate::data::Corpus;
+pub use crate::export::{check_destination, Integrity};
+use crate::export::{checksum, verify, write_file, CHECKSUM_KEY};
 
 pub const EXPORT_FORMAT: &str = "switchyard-export/1";
 
@@ -32,13 +34,16 @@ fn is_buffer(name: &str) -> bool {
 pub struct Weights {
     pub config: GptConfig,
     pub tensors: HashMap<String, Tensor>,
+    /// How the loaded tensors were checked.
+    pub integrity: Integrity,
 }
 
 impl Weights {
     /// From a checkpoint directory (its newest complete checkpoint, or a `step-N`
     /// directory) or a `.safetensors` file. A file without switchyard metadata (for
     /// example one saved from PyTorch) takes its shapes from the tensors and the number
-    /// of heads from `n_head`.
+    /// of heads from `n_head`. A file's `checksum` metadata must match its tensors; a
+    /// file without one loads as [`Integrity::Unverified`] (see [`Weights::note`]).
     pub fn load(path: &Path, n_head: usize) -> Result<Weights> {
         if path.is_dir() {
             let ckpt = Checkpoint::find(path, None)?;
@@ -46,10 +51,12 @@ impl Weights {
             return Ok(Weights {
                 config: ckpt.manifest.config.model.clone(),
                 tensors: full.params,
+                integrity: Integrity::Checkpoint,
             });
         }
         let bytes =
             std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
+        let integrity = verify(path, &bytes)?;
         let bad = |e: &dyn std::fmt::Display| {
             anyhow!("{} is not a readable safetensors file: {e}", path.display())
         };
@@ -87,7 +94,11 @@ impl Weights {
                 c
             }
         };
-        let mut w = Weights { config, tensors };
+        let mut w = Weights {
+            config,
+            tensors,
+            integrity,
+        };
         w.check().map_err(|e| anyhow!("{}: {e}", path.display()))?;
         Ok(w)
     }
@@ -137,10 +148,28 @@ impl Weights {
         Ok(())
     }
 
+    /// A line for the user when the tensors could not be verified, naming `path`.
+    pub fn note(&self, path: &Path) -> Option<String> {
+        (self.integrity == Integrity::Unverified).then(|| {
+            format!(
+                "note: {} has no switchyard checksum (it was not written by `switchyard export`, \
+                 or by an older version): its tensors are used unverified",
+                path.display()
+            )
+        })
+    }
+
     /// Writes one safetensors file with nanoGPT names and shapes (a tied table is written
-    /// under both of its names, as PyTorch's state dict has it), and the config as
-    /// metadata.
+    /// under both of its names, as PyTorch's state dict has it), and the config and the
+    /// checksum of the tensors as metadata. Refuses an existing `out`: see
+    /// [`Weights::export_to`].
     pub fn export(&self, out: &Path) -> Result<()> {
+        self.export_to(out, false)
+    }
+
+    /// [`Weights::export`], replacing an existing file at `out` when `force`. The file is
+    /// written through a unique temporary file next to it (`crate::export`'s docs).
+    pub fn export_to(&self, out: &Path, force: bool) -> Result<()> {
         let mut map: Vec<(String, Tensor)> = self
             .tensors
             .iter()
@@ -153,13 +182,15 @@ impl Weights {
             ));
         }
         map.sort_by(|a, b| a.0.cmp(&b.0));
+        let views: Vec<(&str, &Tensor)> = map.iter().map(|(k, v)| (k.as_str(), v)).collect();
         let meta = HashMap::from([
             ("format".to_string(), EXPORT_FORMAT.to_string()),
             ("config".to_string(), serde_json::to_string(&self.config)?),
+            (CHECKSUM_KEY.to_string(), checksum(&views)),
         ]);
-        let bytes = safetensors::serialize(map.iter().map(|(k, v)| (k.as_str(), v)), Some(meta))
+        let bytes = safetensors::serialize(views, Some(meta))
             .map_err(|e| anyhow!("cannot serialise the weights: {e}"))?;
-        write_atomic(out, &bytes)
+        write_file(out, &bytes, force)
     }
 
     /// The whole model on this thread (no parallelism).
@@ -256,15 +287,41 @@ pub fn sample(
     temperature: f64,
     seed: u64,
 ) -> Result<String> {
+    let mut text = String::new();
+    sample_with(w, prompt, tokens, temperature, seed, |piece| {
+        text.push_str(piece);
+        Ok(())
+    })?;
+    Ok(text)
+}
+
+/// [`sample`], handing the text to `on_text` piece by piece as it is generated (whole
+/// UTF-8 characters; invalid bytes become U+FFFD as in [`String::from_utf8_lossy`]),
+/// and keeping only the model's context in memory.
+pub fn sample_with(
+    w: &Weights,
+    prompt: &str,
+    tokens: usize,
+    temperature: f64,
+    seed: u64,
+    mut on_text: impl FnMut(&str) -> Result<()>,
+) -> Result<()> {
+    if !(temperature.is_finite() && temperature >= 0.0) {
+        bail!("--temperature must be a number ≥ 0 (0 samples greedily), got {temperature}");
+    }
     let model = w.model()?;
+    let block = w.config.block_size;
     let mut ctx: Vec<u32> = prompt.bytes().map(u32::from).collect();
     if ctx.is_empty() {
         ctx.push(u32::from(b'\n'));
     }
     let mut state = seed ^ 0x5eed;
-    let start = ctx.len();
+    let mut utf8 = Utf8Pieces::default();
     for _ in 0..tokens {
-        let window = &ctx[ctx.len().saturating_sub(w.config.block_size)..];
+        if ctx.len() > 2 * block {
+            ctx.drain(..ctx.len() - block);
+        }
+        let window = &ctx[ctx.len().saturating_sub(block)..];
         let x = Tensor::from_vec(window.to_vec(), (1, window.len()), &Device::Cpu)?;
         let logits = model.forward(&x)?;
         let last = logits.get(window.len() - 1)?;
@@ -292,7 +349,90 @@ pub fn sample(
             pick as u32
         };
         ctx.push(next);
+        let piece = utf8.push(next as u8);
+        if !piece.is_empty() {
+            on_text(&piece)?;
+        }
     }
-    let bytes: Vec<u8> = ctx[start..].iter().map(|&b| b as u8).collect();
-    Ok(String::from_utf8_lossy(&bytes).into_owned())
+    let rest = utf8.finish();
+    if !rest.is_empty() {
+        on_text(&rest)?;
+    }
+    Ok(())
+}
+
+/// Decodes bytes arriving one at a time as [`String::from_utf8_lossy`] decodes them
+/// all at once: a character is given out when its last byte arrives.
+#[derive(Default)]
+struct Utf8Pieces {
+    pending: Vec<u8>,
+}
+
+impl Utf8Pieces {
+    /// The text that `byte` completes (empty inside a multi-byte character).
+    fn push(&mut self, byte: u8) -> String {
+        self.pending.push(byte);
+        let mut out = String::new();
+        loop {
+            match std::str::from_utf8(&self.pending) {
+                Ok(s) => {
+                    out.push_str(s);
+                    self.pending.clear();
+                    return out;
+                }
+                Err(e) => {
+                    let valid = e.valid_up_to();
+                    out.push_str(&String::from_utf8_lossy(&self.pending[..valid]));
+                    match e.error_len() {
+                        // An invalid sequence: one replacement character, then go on.
+                        Some(n) => {
+                            out.push(char::REPLACEMENT_CHARACTER);
+                            self.pending.drain(..valid + n);
+                        }
+                        // An unfinished character: wait for its next byte.
+                        None => {
+                            self.pending.drain(..valid);
+                            return out;
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// What is left at the end (an unfinished character becomes U+FFFD).
+    fn finish(self) -> String {
+        String::from_utf8_lossy(&self.pending).into_owned()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn text_given_out_piece_by_piece_is_the_lossy_decoding_of_all_bytes() {
+        let cases: [&[u8]; 5] = [
+            b"plain ascii",
+            "Grüße, 世界 🙂".as_bytes(),
+            b"bad \xff byte and a cut \xe4\xb8",
+            b"\xf0\x9f\x99 then text \xc3",
+            b"\xed\xa0\x80 surrogate, \xc3\x28 bad continuation",
+        ];
+        for bytes in cases {
+            let mut d = Utf8Pieces::default();
+            let mut text = String::new();
+            for &b in bytes {
+                text.push_str(&d.push(b));
+            }
+            text.push_str(&d.finish());
+            assert_eq!(text, String::from_utf8_lossy(bytes), "{bytes:?}");
+        }
+        // A character comes out with its last byte, not before.
+        let mut d = Utf8Pieces::default();
+        assert_eq!(d.push(0xe4), "");
+        assert_eq!(d.push(0xb8), "");
+        assert_eq!(d.push(0x96), "世");
+        assert_eq!(d.push(b'a'), "a");
+    }
 }

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use common::*;
 use switchyard_train::checkpoint::{self, Checkpoint};
 use switchyard_train::data::Corpus;
-use switchyard_train::weights::{evaluate, Weights};
+use switchyard_train::weights::{evaluate, Integrity, Weights};
 use switchyard_train::{train, Resume, TrainConfig, TrainOptions, TrainReport};
 
 fn scratch(name: &str) -> PathBuf {
@@ -114,6 +114,8 @@ fn export_then_init_gives_the_same_loss() {
     from_ckpt.export(&file).unwrap();
     let from_file = Weights::load(&file, 99).unwrap(); // the config comes from the file's metadata
     assert_eq!(from_file.config, cfg.model);
+    assert_eq!(from_file.integrity, Integrity::Checksum);
+    assert_eq!(from_ckpt.integrity, Integrity::Checkpoint);
     // PyTorch's nanoGPT state dict has both names of a tied table.
     let raw = candle_core::safetensors::load(&file, &candle_core::Device::Cpu).unwrap();
     assert!(raw.contains_key("lm_head.weight") && raw.contains_key("transformer.wte.weight"));
@@ -251,6 +253,15 @@ fn corrupt_inputs_are_clear_errors_and_change_nothing() {
     std::fs::write(&mpath, serde_json::to_vec(&m).unwrap()).unwrap();
     assert_refused(&dir, &cfg, "the manifest says");
 
+    // A manifest whose step is not its directory's.
+    let (dir, ck) = fresh("step");
+    let mpath = ck.join(checkpoint::MANIFEST);
+    let mut m: checkpoint::Manifest =
+        serde_json::from_slice(&std::fs::read(&mpath).unwrap()).unwrap();
+    m.step = 7;
+    std::fs::write(&mpath, serde_json::to_vec(&m).unwrap()).unwrap();
+    assert_refused(&dir, &cfg, "says step 7, but its directory is step 2");
+
     let (dir, ck) = fresh("manifest");
     std::fs::write(ck.join(checkpoint::MANIFEST), b"{ not json").unwrap();
     assert_refused(&dir, &cfg, "is not a valid switchyard manifest");
@@ -306,5 +317,11 @@ fn a_nanogpt_state_dict_without_metadata_loads_with_its_tied_head() {
     candle_core::safetensors::save(&map, &file).unwrap();
     let back = Weights::load(&file, cfg.model.n_head).unwrap();
     assert_eq!(back.config, cfg.model);
+    // No checksum: it loads, unverified, with a note for the user.
+    assert_eq!(back.integrity, Integrity::Unverified);
+    assert!(back
+        .note(&file)
+        .unwrap()
+        .contains("has no switchyard checksum"));
     assert!(!back.tensors.contains_key("lm_head.weight"));
 }

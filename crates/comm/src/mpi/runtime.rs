@@ -75,8 +75,7 @@ impl Runtime {
             rank: crate::mpi::launcher_rank().unwrap_or(0),
             reason,
         };
-        let timeout = super::timeout_from_env(crate::mpi::launcher_rank().unwrap_or(0))?
-            .unwrap_or(config.timeout);
+        let timeout = config.timeout;
         if environment::is_finalized() {
             return Err(backend(
                 "MPI was finalised when the last communicator was dropped; it cannot be \

@@ -1,0 +1,153 @@
+//! The attention's slice-level forward and backward on two threads against plain f64
+//! math: small enough for Miri, which checks that the tasks writing disjoint columns of
+//! one output never hold overlapping `&mut` borrows.
+
+use std::sync::OnceLock;
+
+use super::{Attention, Geo};
+use crate::kernel::{test_data, Float};
+
+/// Forward and backward of causal attention in f64 for one (batch, head) pair:
+/// `q`, `k`, `v`, `d_o` are `t × hd` row-major; returns `(o, dq, dk, dv)`.
+#[allow(clippy::type_complexity)]
+fn reference(
+    q: &[f64],
+    k: &[f64],
+    v: &[f64],
+    d_o: &[f64],
+    t: usize,
+    hd: usize,
+) -> (Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>) {
+    let scale = 1.0 / (hd as f64).sqrt();
+    let at = |x: &[f64], i: usize, d: usize| x[i * hd + d];
+    let mut p = vec![0.0; t * t];
+    for i in 0..t {
+        let s: Vec<f64> = (0..=i)
+            .map(|j| (0..hd).map(|d| at(q, i, d) * at(k, j, d)).sum::<f64>() * scale)
+            .collect();
+        let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let z: f64 = s.iter().map(|x| (x - m).exp()).sum();
+        for j in 0..=i {
+            p[i * t + j] = (s[j] - m).exp() / z;
+        }
+    }
+    let mut o = vec![0.0; t * hd];
+    let (mut dq, mut dk, mut dv) = (vec![0.0; t * hd], vec![0.0; t * hd], vec![0.0; t * hd]);
+    for i in 0..t {
+        for d in 0..hd {
+            o[i * hd + d] = (0..t).map(|j| p[i * t + j] * at(v, j, d)).sum();
+        }
+    }
+    for i in 0..t {
+        // dP = dO·vᵀ; dS = P ⊙ (dP − Σ_j P·dP).
+        let dp: Vec<f64> = (0..t)
+            .map(|j| (0..hd).map(|d| at(d_o, i, d) * at(v, j, d)).sum())
+            .collect();
+        let dot: f64 = (0..t).map(|j| p[i * t + j] * dp[j]).sum();
+        for j in 0..t {
+            let ds = p[i * t + j] * (dp[j] - dot);
+            for d in 0..hd {
+                dv[j * hd + d] += p[i * t + j] * at(d_o, i, d);
+                dq[i * hd + d] += ds * at(k, j, d) * scale;
+                dk[j * hd + d] += ds * at(q, i, d) * scale;
+            }
+        }
+    }
+    (o, dq, dk, dv)
+}
+
+fn run<T: Float>(b: usize, h: usize, t: usize, hd: usize, tol: f64) {
+    let dl = h * hd;
+    let x64 = test_data(b * t * 3 * dl, 5, 1.5);
+    let do64 = test_data(b * t * dl, 6, 1.0);
+    let x: Vec<T> = x64.iter().map(|&v| T::from_f64(v)).collect();
+    let d_o: Vec<T> = do64.iter().map(|&v| T::from_f64(v)).collect();
+    let attn = Attention {
+        n_head: h,
+        lse: OnceLock::new(),
+    };
+    let g = Geo {
+        b,
+        t,
+        h,
+        hd,
+        scale: 1.0 / (hd as f64).sqrt(),
+    };
+    // Two threads, so that pairs really run at once (also under Miri).
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(2)
+        .build()
+        .unwrap();
+    let (o, dx) = pool.install(|| {
+        let o = attn.forward(&x, g).unwrap();
+        let dx = attn.backward_slices(&x, &o, &d_o, g).unwrap();
+        (o, dx)
+    });
+    assert_eq!((o.len(), dx.len()), (b * t * dl, b * t * 3 * dl));
+    let close = |what: &str, got: T, want: f64| {
+        let got = got.to_f64();
+        assert!(
+            (got - want).abs() <= tol * (1.0 + want.abs()),
+            "{what} ({b}, {h}, {t}, {hd}): {got} vs {want}"
+        );
+    };
+    for bi in 0..b {
+        for hi in 0..h {
+            // The pair's q, k, v and dO as t × hd matrices.
+            let take = |src: &[f64], ld: usize, off: usize| -> Vec<f64> {
+                (0..t)
+                    .flat_map(|i| (0..hd).map(move |d| (i, d)))
+                    .map(|(i, d)| src[(bi * t + i) * ld + off + hi * hd + d])
+                    .collect()
+            };
+            let (q, k, v) = (
+                take(&x64, 3 * dl, 0),
+                take(&x64, 3 * dl, dl),
+                take(&x64, 3 * dl, 2 * dl),
+            );
+            let (ro, dq, dk, dv) = reference(&q, &k, &v, &take(&do64, dl, 0), t, hd);
+            for i in 0..t {
+                for d in 0..hd {
+                    let (row_o, row_x) = ((bi * t + i) * dl, (bi * t + i) * 3 * dl + hi * hd + d);
+                    close("o", o[row_o + hi * hd + d], ro[i * hd + d]);
+                    close("dq", dx[row_x], dq[i * hd + d]);
+                    close("dk", dx[row_x + dl], dk[i * hd + d]);
+                    close("dv", dx[row_x + 2 * dl], dv[i * hd + d]);
+                }
+            }
+        }
+    }
+}
+
+/// Four (batch, head) pairs on two threads, T = 18 across the 16-row blocks.
+#[test]
+fn forward_and_backward_on_two_threads_match_f64() {
+    run::<f64>(2, 2, 18, 3, 1e-10);
+    // The f32 path shares the f64 one but for `exp`: a smaller shape under Miri.
+    match cfg!(miri) {
+        true => run::<f32>(1, 2, 5, 3, 2e-5),
+        false => run::<f32>(2, 2, 18, 3, 2e-5),
+    }
+    // One position, one head, one column.
+    run::<f64>(1, 1, 1, 1, 1e-12);
+}
+
+#[test]
+fn empty_sequences_and_batches_give_empty_results() {
+    for (b, t) in [(2, 0), (0, 3), (0, 0)] {
+        let attn = Attention {
+            n_head: 2,
+            lse: OnceLock::new(),
+        };
+        let g = Geo {
+            b,
+            t,
+            h: 2,
+            hd: 3,
+            scale: 1.0 / 3f64.sqrt(),
+        };
+        let o = attn.forward::<f32>(&[], g).unwrap();
+        let dx = attn.backward_slices::<f32>(&[], &o, &[], g).unwrap();
+        assert!(o.is_empty() && dx.is_empty(), "B = {b}, T = {t}");
+    }
+}

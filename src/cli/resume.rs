@@ -1,0 +1,38 @@
+//! `train --resume`: the settings a resumed run takes from its checkpoint.
+
+use std::path::Path;
+
+use switchyard_train::checkpoint;
+use switchyard_train::{Resume, TrainConfig};
+
+use super::train::TrainArgs;
+
+/// Takes the total steps, the learning-rate schedule, the optimizer's settings and the
+/// seed from the checkpoint `--resume` continues, except those given by a flag or in the
+/// `--config` file. Reads only the manifest; the trainer checks the files.
+pub fn restore(c: &mut TrainConfig, a: &TrainArgs, dir: &Path, r: Resume) -> anyhow::Result<()> {
+    let step = match r {
+        Resume::Latest => None,
+        Resume::Step(s) => Some(s),
+    };
+    let path = checkpoint::locate(dir, step)?;
+    let saved = checkpoint::read_manifest(&path)?.config;
+    let in_file: Vec<String> = a
+        .config
+        .as_ref()
+        .and_then(|p| std::fs::read_to_string(p).ok())
+        .and_then(|t| t.parse::<toml::Table>().ok())
+        .map(|t| t.keys().cloned().collect())
+        .unwrap_or_default();
+    let keep = |flag: bool, key: &str| !flag && !in_file.iter().any(|k| k == key);
+    macro_rules! take {
+        ($($flag:expr => $field:ident),* $(,)?) => {
+            $(if keep($flag, stringify!($field)) { c.$field = saved.$field.clone(); })*
+        };
+    }
+    take!(a.steps.is_some() => steps, a.lr.is_some() => lr, a.min_lr.is_some() => min_lr,
+        a.warmup.is_some() => warmup, a.weight_decay.is_some() => weight_decay,
+        a.grad_clip.is_some() => grad_clip, false => beta1, false => beta2,
+        a.seed.is_some() => seed);
+    Ok(())
+}
