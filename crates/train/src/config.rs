@@ -41,6 +41,17 @@ pub struct TrainConfig {
     pub comm_timeout_secs: f64,
     /// Compute threads per worker (0 = share the cores out).
     pub threads_per_worker: usize,
+    /// Draw each step's windows at seeded random offsets (`false`: consecutive windows
+    /// from offset 0, in order; see [`crate::data`]).
+    pub shuffle: bool,
+    /// The fraction at the end of the data held out for validation (0: none; a `val.bin`
+    /// beside a `train.bin` is the validation split instead).
+    pub val_fraction: f64,
+    /// Report the validation loss every this many steps (0: only at the end), when the
+    /// data has a validation split.
+    pub eval_every: usize,
+    /// Batches of the validation split each validation loss averages over.
+    pub eval_batches: usize,
 }
 
 impl Default for TrainConfig {
@@ -69,6 +80,10 @@ impl Default for TrainConfig {
             bucket_mib: 25.0,
             comm_timeout_secs: 300.0,
             threads_per_worker: 0,
+            shuffle: true,
+            val_fraction: 0.0,
+            eval_every: 0,
+            eval_batches: 8,
         }
     }
 }
@@ -234,6 +249,9 @@ impl TrainConfig {
         if self.microbatches == 0 || self.batch == 0 || self.steps == 0 {
             return Err("--batch, --microbatches and --steps must be at least 1".into());
         }
+        if self.eval_batches == 0 {
+            return Err("--eval-batches must be at least 1".into());
+        }
         let split = self.dp.checked_mul(self.microbatches).ok_or_else(|| {
             format!(
                 "--dp {} × --microbatches {} overflows: use fewer microbatches",
@@ -330,6 +348,13 @@ impl TrainConfig {
                 "bucket_mib (a --config key)",
                 self.bucket_mib,
                 "a positive number",
+            );
+        }
+        if !(self.val_fraction.is_finite() && (0.0..1.0).contains(&self.val_fraction)) {
+            return bad(
+                "--val-fraction",
+                self.val_fraction,
+                "at least 0 and below 1 (0: no validation split)",
             );
         }
         if !(self.comm_timeout_secs > 0.0 && self.comm_timeout_secs <= MAX_TIMEOUT_SECS) {
