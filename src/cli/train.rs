@@ -153,13 +153,13 @@ pub enum Backend {
 /// The settings a TOML file may hold besides [`TrainConfig`]'s.
 const FILE_ONLY: [&str; 8] = [
     "data",
-    "tokenizer",
-    "token_width",
     "metrics",
     "trace",
     "checkpoint_dir",
     "save_every",
     "keep",
+    "tokenizer",
+    "token_width",
 ];
 
 /// The [`FILE_ONLY`] keys of a TOML file, each of its one type.

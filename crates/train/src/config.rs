@@ -242,8 +242,12 @@ impl TrainConfig {
         }
         if !m.vocab_size.is_multiple_of(self.tp) {
             return Err(format!(
-                "--tp {} does not divide the vocabulary of {}: use a --tp that divides it",
-                self.tp, m.vocab_size
+                "--tp {} does not divide the vocabulary of {}: use a --tp that divides it, or \
+                 a --vocab-size that --tp divides, such as {} (ids the data never uses only \
+                 add rows to the embedding, as nanoGPT's 50304 for GPT-2's 50257)",
+                self.tp,
+                m.vocab_size,
+                m.vocab_size.div_ceil(self.tp) * self.tp
             ));
         }
         if self.microbatches == 0 || self.batch == 0 || self.steps == 0 {
