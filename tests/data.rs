@@ -82,6 +82,9 @@ fn a_token_file_trains_end_to_end_with_its_validation_loss() {
         out.contains("nats/token") && out.contains("val.bin"),
         "{out}"
     );
+    // Sampling decodes bytes: a token model is refused rather than printing nonsense.
+    let e = fails(&args(vec!["sample".into()], &["--checkpoint", &s(&ckpt)]));
+    assert!(e.contains("vocabulary has 50304 ids"), "{e}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

@@ -608,7 +608,7 @@ mod tests {
     #[test]
     fn every_float_setting_is_checked_and_named() {
         type Set = fn(&mut TrainConfig, f64);
-        let cases: [(&str, Set); 8] = [
+        let cases: [(&str, Set); 9] = [
             ("--lr", |c, v| c.lr = v),
             ("--min-lr", |c, v| c.min_lr = v),
             ("--weight-decay", |c, v| c.weight_decay = v),
@@ -617,6 +617,7 @@ mod tests {
             ("beta2 (a --config key)", |c, v| c.beta2 = v),
             ("bucket_mib (a --config key)", |c, v| c.bucket_mib = v),
             ("--comm-timeout", |c, v| c.comm_timeout_secs = v),
+            ("--val-fraction", |c, v| c.val_fraction = v),
         ];
         for (name, set) in cases {
             for v in [f64::NAN, f64::INFINITY, -1.0] {
@@ -632,6 +633,10 @@ mod tests {
             .contains("--min-lr must be a number from 0 to --lr (0.003), got 1"));
         assert!(err(|c| c.lr = 0.0).contains("--lr must be a positive number, got 0"));
         assert!(err(|c| c.comm_timeout_secs = 1e300).contains("--comm-timeout"));
+        assert!(
+            err(|c| c.val_fraction = 1.0).contains("--val-fraction must be at least 0 and below 1")
+        );
+        assert!(err(|c| c.eval_batches = 0).contains("--eval-batches must be at least 1"));
         // Zero is allowed where it means "off".
         let c = TrainConfig {
             weight_decay: 0.0,

@@ -322,6 +322,13 @@ pub fn sample_with(
     if !(temperature.is_finite() && temperature >= 0.0) {
         bail!("--temperature must be a number ≥ 0 (0 samples greedily), got {temperature}");
     }
+    if w.config.vocab_size != 256 {
+        bail!(
+            "sampling decodes bytes, but this model's vocabulary has {} ids (a tokenizer's): \
+             sampling token models is not supported yet",
+            w.config.vocab_size
+        );
+    }
     let model = w.model()?;
     let block = w.config.block_size;
     let mut ctx: Vec<u32> = prompt.bytes().map(u32::from).collect();
