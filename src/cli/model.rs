@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use anyhow::anyhow;
 use clap::Args;
-use switchyard_train::data::Corpus;
+use switchyard_train::data::{self, DataSpec, Dataset, TokenWidth};
 use switchyard_train::weights::{check_destination, evaluate, sample_with, Weights};
 
 /// The number of heads to assume for a weights file without switchyard metadata.
@@ -51,10 +51,21 @@ pub struct EvalArgs {
     /// A checkpoint directory, a step-N directory, or a .safetensors file
     #[arg(long)]
     checkpoint: PathBuf,
-    /// The text to evaluate on (default: the bundled corpus)
+    /// The text or .bin token file to evaluate on (default: the bundled corpus); its
+    /// validation split is scored (the whole data when it has none)
     #[arg(long)]
     data: Option<PathBuf>,
-    /// Window length L: each window is L + 1 bytes (default: the model's block size)
+    /// Tokenize the --data text with this Hugging Face tokenizer.json
+    #[arg(long, value_name = "FILE")]
+    tokenizer: Option<PathBuf>,
+    /// The width of a .bin token file's ids: u16 or u32
+    #[arg(long, value_name = "u16|u32")]
+    token_width: Option<TokenWidth>,
+    /// The held-out fraction at the end of the data that is scored (default: the
+    /// checkpoint's --val-fraction; 0: score all of the data)
+    #[arg(long)]
+    val_fraction: Option<f64>,
+    /// Window length L: each window is L + 1 tokens (default: the model's block size)
     #[arg(long)]
     seq_len: Option<usize>,
     /// Only the first N windows
@@ -75,22 +86,41 @@ pub fn eval(a: EvalArgs) -> anyhow::Result<()> {
         ));
     }
     let w = load(&a.checkpoint, a.heads)?;
-    let corpus = match &a.data {
-        Some(p) => Corpus::from_file(p).map_err(anyhow::Error::msg)?,
-        None => Corpus::bundled(),
+    // A checkpoint knows which fraction it held out; a weights file does not.
+    let val_fraction = match (a.val_fraction, a.checkpoint.is_dir()) {
+        (Some(f), _) => f,
+        (None, true) => {
+            use switchyard_train::checkpoint::{locate, read_manifest};
+            read_manifest(&locate(&a.checkpoint, None)?)?
+                .config
+                .val_fraction
+        }
+        (None, false) => 0.0,
     };
+    let corpus = data::open(&DataSpec {
+        data: a.data.clone(),
+        tokenizer: a.tokenizer.clone(),
+        width: a.token_width.unwrap_or_default(),
+        val_fraction,
+    })
+    .map_err(anyhow::Error::msg)?;
     let seq_len = a.seq_len.unwrap_or(w.config.block_size);
     let r = evaluate(&w, &corpus, seq_len, a.max_windows)?;
     if a.json {
         println!("{}", serde_json::to_string(&r)?);
     } else {
+        let unit = match w.config.vocab_size <= 256 && a.tokenizer.is_none() {
+            true => "byte",
+            false => "token",
+        };
+        let split = corpus.validation().unwrap_or(corpus.train());
         println!(
-            "{:.4} nats/byte ({:.4} bits/byte) over {} windows of {}+1 bytes of {}",
+            "{:.4} nats/{unit} ({:.4} bits/{unit}) over {} windows of {}+1 {unit}s of {}",
             r.nats_per_byte,
             r.nats_per_byte / std::f64::consts::LN_2,
             r.windows,
             r.seq_len,
-            corpus.name
+            split.name
         );
     }
     Ok(())

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{anyhow, bail, Context};
 use clap::Args;
 use switchyard_models::SplitSpec;
-use switchyard_train::data::Corpus;
+use switchyard_train::data::{self, Corpus, DataSpec, Dataset, TokenWidth};
 use switchyard_train::{train, train_rank, Resume, TrainConfig, TrainOptions};
 
 #[derive(Args, Default)]
@@ -65,9 +65,34 @@ pub struct TrainArgs {
     pub grad_clip: Option<f64>,
     #[arg(long)]
     pub seed: Option<u64>,
-    /// A text file to train on (default: the bundled corpus)
+    /// A text file, or a token file ending in .bin (nanoGPT's train.bin: u16 ids; a
+    /// val.bin beside it is the validation split) (default: the bundled corpus)
     #[arg(long)]
     pub data: Option<PathBuf>,
+    /// Tokenize the --data text with this Hugging Face tokenizer.json (cached beside the
+    /// text in .switchyard-cache/)
+    #[arg(long, value_name = "FILE")]
+    pub tokenizer: Option<PathBuf>,
+    /// The width of a .bin token file's ids: u16 (nanoGPT's) or u32
+    #[arg(long, value_name = "u16|u32")]
+    pub token_width: Option<TokenWidth>,
+    /// The model's vocabulary (default: the tokenizer's, 256 for bytes, or a token
+    /// file's largest id + 1)
+    #[arg(long)]
+    pub vocab_size: Option<usize>,
+    /// Hold out the last fraction of the data for validation (default 0: none)
+    #[arg(long)]
+    pub val_fraction: Option<f64>,
+    /// Report the validation loss every N steps (and at the end)
+    #[arg(long, value_name = "N")]
+    pub eval_every: Option<usize>,
+    /// Batches of the validation split per validation loss (default 8)
+    #[arg(long, value_name = "K")]
+    pub eval_batches: Option<usize>,
+    /// Consecutive windows from offset 0, in order (wrapping at the end), instead of
+    /// seeded random offsets
+    #[arg(long)]
+    pub no_shuffle: bool,
     /// Write JSON lines, one per step
     #[arg(long)]
     pub metrics: Option<PathBuf>,
@@ -126,13 +151,15 @@ pub enum Backend {
 }
 
 /// The settings a TOML file may hold besides [`TrainConfig`]'s.
-const FILE_ONLY: [&str; 6] = [
+const FILE_ONLY: [&str; 8] = [
     "data",
     "metrics",
     "trace",
     "checkpoint_dir",
     "save_every",
     "keep",
+    "tokenizer",
+    "token_width",
 ];
 
 /// The [`FILE_ONLY`] keys of a TOML file, each of its one type.
@@ -140,6 +167,8 @@ const FILE_ONLY: [&str; 6] = [
 #[serde(deny_unknown_fields)]
 struct FileOnly {
     data: Option<PathBuf>,
+    tokenizer: Option<PathBuf>,
+    token_width: Option<TokenWidth>,
     metrics: Option<PathBuf>,
     trace: Option<PathBuf>,
     checkpoint_dir: Option<PathBuf>,
@@ -147,12 +176,18 @@ struct FileOnly {
     keep: Option<usize>,
 }
 
-fn load_file(path: &Path) -> anyhow::Result<(TrainConfig, FileOnly)> {
+/// A `--config` file's settings: the run's, the file-only keys, and whether it sets the
+/// model's vocabulary.
+fn load_file(path: &Path) -> anyhow::Result<(TrainConfig, FileOnly, bool)> {
     let text = std::fs::read_to_string(path)
         .with_context(|| format!("cannot read --config {}", path.display()))?;
     let mut table: toml::Table = text
         .parse()
         .with_context(|| format!("--config {} is not valid TOML", path.display()))?;
+    let vocab = table
+        .get("model")
+        .and_then(|m| m.get("vocab_size"))
+        .is_some();
     let mut extra = toml::Table::new();
     for k in FILE_ONLY {
         if let Some(v) = table.remove(k) {
@@ -162,7 +197,7 @@ fn load_file(path: &Path) -> anyhow::Result<(TrainConfig, FileOnly)> {
     let file_error = |e: toml::de::Error| anyhow!("--config {}: {}", path.display(), explain(&e));
     let extra: FileOnly = toml::Value::Table(extra).try_into().map_err(file_error)?;
     let cfg: TrainConfig = toml::Value::Table(table).try_into().map_err(file_error)?;
-    Ok((cfg, extra))
+    Ok((cfg, extra, vocab))
 }
 
 /// A TOML error as "key `k`: what is wrong, expected what", with TOML's names for types.
@@ -193,11 +228,17 @@ fn explain(e: &toml::de::Error) -> String {
     }
 }
 
+/// The data a run reads, and whether its vocabulary was given (else the data's is used).
+pub struct DataChoice {
+    pub spec: DataSpec,
+    pub vocab_given: bool,
+}
+
 /// The configuration and options `a` describes.
-pub fn resolve(a: &TrainArgs) -> anyhow::Result<(TrainConfig, Option<PathBuf>, TrainOptions)> {
-    let (mut c, file) = match &a.config {
+pub fn resolve(a: &TrainArgs) -> anyhow::Result<(TrainConfig, DataChoice, TrainOptions)> {
+    let (mut c, file, vocab_in_file) = match &a.config {
         Some(p) => load_file(p)?,
-        None => (TrainConfig::default(), FileOnly::default()),
+        None => (TrainConfig::default(), FileOnly::default(), false),
     };
     macro_rules! set {
         ($($flag:ident => $($field:ident).+),* $(,)?) => {
@@ -209,9 +250,14 @@ pub fn resolve(a: &TrainArgs) -> anyhow::Result<(TrainConfig, Option<PathBuf>, T
         seq_len => seq_len, d_model => model.d_model, layers => model.n_layer,
         heads => model.n_head, lr => lr, min_lr => min_lr, warmup => warmup,
         weight_decay => weight_decay, grad_clip => grad_clip, seed => seed,
-        threads_per_worker => threads_per_worker, comm_timeout => comm_timeout_secs);
+        threads_per_worker => threads_per_worker, comm_timeout => comm_timeout_secs,
+        vocab_size => model.vocab_size, val_fraction => val_fraction,
+        eval_every => eval_every, eval_batches => eval_batches);
     if a.tied {
         c.model.tied_embeddings = true;
+    }
+    if a.no_shuffle {
+        c.shuffle = false;
     }
     let resume = match (a.resume, a.resume_from) {
         (_, Some(s)) => Some(Resume::Step(s)),
@@ -268,23 +314,35 @@ pub fn resolve(a: &TrainArgs) -> anyhow::Result<(TrainConfig, Option<PathBuf>, T
         allow_seed_change: a.allow_seed_change,
         stop: None,
     };
-    Ok((c, a.data.clone().or(file.data), opts))
+    let data = DataChoice {
+        spec: DataSpec {
+            data: a.data.clone().or(file.data),
+            tokenizer: a.tokenizer.clone().or(file.tokenizer),
+            width: a.token_width.or(file.token_width).unwrap_or_default(),
+            val_fraction: c.val_fraction,
+        },
+        vocab_given: a.vocab_size.is_some() || vocab_in_file || resume.is_some(),
+    };
+    Ok((c, data, opts))
 }
 
 pub fn run(a: TrainArgs) -> anyhow::Result<()> {
-    let (cfg, data, mut opts) = resolve(&a)?;
+    let (mut cfg, data, mut opts) = resolve(&a)?;
     // Under MPI every process runs this; only rank 0 speaks.
     let rank0 = match a.backend {
         Backend::Local => true,
         Backend::Mpi => switchyard_comm::mpi::launcher_rank().unwrap_or(0) == 0,
     };
     opts.progress &= rank0;
+    let corpus = data::open(&data.spec).map_err(anyhow::Error::msg)?;
+    if !data.vocab_given {
+        cfg.model.vocab_size = corpus.vocab_size();
+    }
     cfg.validate()
         .map_err(|e| anyhow!("invalid configuration: {e}"))?;
-    let corpus = match &data {
-        Some(p) => Corpus::from_file(p).map_err(anyhow::Error::msg)?,
-        None => Corpus::bundled(),
-    };
+    corpus
+        .check(cfg.model.vocab_size, cfg.seq_len)
+        .map_err(anyhow::Error::msg)?;
     let workers = cfg.world_size();
     // Workers sharing this machine: all of them on threads; under MPI, this node's.
     let local_workers = match a.backend {
@@ -310,12 +368,17 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
     opts.stop = signals.as_ref().map(|s| std::sync::Arc::clone(&s.stop));
     if rank0 {
         eprintln!(
-            "switchyard: GPT {} layers × d {} ({:.2}M parameters) on {} ({} bytes); {} workers: dp {} × pp {} × tp {}, {} with {} microbatches",
+            "switchyard: GPT {} layers × d {}, vocabulary {} ({:.2}M parameters) on {} ({} tokens{}); {} workers: dp {} × pp {} × tp {}, {} with {} microbatches",
             cfg.model.n_layer,
             cfg.model.d_model,
+            cfg.model.vocab_size,
             cfg.model.param_count() as f64 / 1e6,
             corpus.name,
             corpus.len(),
+            match corpus.validation() {
+                Some(v) => format!(", {} held out for validation", v.len()),
+                None => String::new(),
+            },
             workers,
             cfg.dp,
             cfg.pp,

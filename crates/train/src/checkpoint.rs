@@ -75,11 +75,13 @@ pub struct FileEntry {
     pub tensors: Vec<TensorEntry>,
 }
 
-/// Identifies the training text.
+/// Identifies the training data ([`crate::data::Dataset`]).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CorpusInfo {
     pub name: String,
+    /// Tokens in the training split (bytes, for a byte-level text).
     pub bytes: usize,
+    /// [`crate::data::Dataset::fingerprint`]: for a text, FNV-1a 64 of its bytes in hex.
     pub fnv64: String,
 }
 

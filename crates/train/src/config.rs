@@ -41,6 +41,17 @@ pub struct TrainConfig {
     pub comm_timeout_secs: f64,
     /// Compute threads per worker (0 = share the cores out).
     pub threads_per_worker: usize,
+    /// Draw each step's windows at seeded random offsets (`false`: consecutive windows
+    /// from offset 0, in order; see [`crate::data`]).
+    pub shuffle: bool,
+    /// The fraction at the end of the data held out for validation (0: none; a `val.bin`
+    /// beside a `train.bin` is the validation split instead).
+    pub val_fraction: f64,
+    /// Report the validation loss every this many steps (0: only at the end), when the
+    /// data has a validation split.
+    pub eval_every: usize,
+    /// Batches of the validation split each validation loss averages over.
+    pub eval_batches: usize,
 }
 
 impl Default for TrainConfig {
@@ -69,6 +80,10 @@ impl Default for TrainConfig {
             bucket_mib: 25.0,
             comm_timeout_secs: 300.0,
             threads_per_worker: 0,
+            shuffle: true,
+            val_fraction: 0.0,
+            eval_every: 0,
+            eval_batches: 8,
         }
     }
 }
@@ -227,12 +242,19 @@ impl TrainConfig {
         }
         if !m.vocab_size.is_multiple_of(self.tp) {
             return Err(format!(
-                "--tp {} does not divide the vocabulary of {}: use a --tp that divides it",
-                self.tp, m.vocab_size
+                "--tp {} does not divide the vocabulary of {}: use a --tp that divides it, or \
+                 a --vocab-size that --tp divides, such as {} (ids the data never uses only \
+                 add rows to the embedding, as nanoGPT's 50304 for GPT-2's 50257)",
+                self.tp,
+                m.vocab_size,
+                m.vocab_size.div_ceil(self.tp) * self.tp
             ));
         }
         if self.microbatches == 0 || self.batch == 0 || self.steps == 0 {
             return Err("--batch, --microbatches and --steps must be at least 1".into());
+        }
+        if self.eval_batches == 0 {
+            return Err("--eval-batches must be at least 1".into());
         }
         let split = self.dp.checked_mul(self.microbatches).ok_or_else(|| {
             format!(
@@ -330,6 +352,13 @@ impl TrainConfig {
                 "bucket_mib (a --config key)",
                 self.bucket_mib,
                 "a positive number",
+            );
+        }
+        if !(self.val_fraction.is_finite() && (0.0..1.0).contains(&self.val_fraction)) {
+            return bad(
+                "--val-fraction",
+                self.val_fraction,
+                "at least 0 and below 1 (0: no validation split)",
             );
         }
         if !(self.comm_timeout_secs > 0.0 && self.comm_timeout_secs <= MAX_TIMEOUT_SECS) {
@@ -579,7 +608,7 @@ mod tests {
     #[test]
     fn every_float_setting_is_checked_and_named() {
         type Set = fn(&mut TrainConfig, f64);
-        let cases: [(&str, Set); 8] = [
+        let cases: [(&str, Set); 9] = [
             ("--lr", |c, v| c.lr = v),
             ("--min-lr", |c, v| c.min_lr = v),
             ("--weight-decay", |c, v| c.weight_decay = v),
@@ -588,6 +617,7 @@ mod tests {
             ("beta2 (a --config key)", |c, v| c.beta2 = v),
             ("bucket_mib (a --config key)", |c, v| c.bucket_mib = v),
             ("--comm-timeout", |c, v| c.comm_timeout_secs = v),
+            ("--val-fraction", |c, v| c.val_fraction = v),
         ];
         for (name, set) in cases {
             for v in [f64::NAN, f64::INFINITY, -1.0] {
@@ -603,6 +633,10 @@ mod tests {
             .contains("--min-lr must be a number from 0 to --lr (0.003), got 1"));
         assert!(err(|c| c.lr = 0.0).contains("--lr must be a positive number, got 0"));
         assert!(err(|c| c.comm_timeout_secs = 1e300).contains("--comm-timeout"));
+        assert!(
+            err(|c| c.val_fraction = 1.0).contains("--val-fraction must be at least 0 and below 1")
+        );
+        assert!(err(|c| c.eval_batches = 0).contains("--eval-batches must be at least 1"));
         // Zero is allowed where it means "off".
         let c = TrainConfig {
             weight_decay: 0.0,

@@ -14,7 +14,9 @@
 //!   before any worker starts, saying what to change.
 //! * [`train`]: the loop over all ranks on threads; rank 0 reports the job's loss.
 //! * [`Worker`]: one rank's state and step, for tests and custom loops.
-//! * [`data`]: byte-level text, deterministic batches, evaluation windows.
+//! * [`data`]: the [`data::Dataset`] trait and its sampler (deterministic batches, the
+//!   same on every layout), byte-level text, nanoGPT token files, tokenizer text, the
+//!   validation split and evaluation windows.
 //!
 //! ```
 //! use switchyard_models::GptConfig;

@@ -28,6 +28,9 @@ pub struct StepRecord {
     pub lr: f64,
     pub tokens_per_s: f64,
     pub seconds: f64,
+    /// The validation loss after this step, on the steps it was measured.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub val_loss: Option<f64>,
 }
 
 impl StepRecord {
@@ -39,6 +42,7 @@ impl StepRecord {
             lr: m.lr,
             tokens_per_s: cfg.tokens_per_step() as f64 / m.seconds,
             seconds: m.seconds,
+            val_loss: m.val_loss,
         }
     }
 }
@@ -85,6 +89,14 @@ impl TrainReport {
         self.steps.last().map(|s| s.loss).unwrap_or(f64::NAN)
     }
 
+    /// The last validation loss measured, with its step (counted from 1).
+    pub fn val_loss(&self) -> Option<(usize, f64)> {
+        self.steps
+            .iter()
+            .rev()
+            .find_map(|s| s.val_loss.map(|v| (s.step + 1, v)))
+    }
+
     /// A short text report.
     pub fn render(&self, cfg: &TrainConfig) -> String {
         let mut s = String::new();
@@ -100,6 +112,12 @@ impl TrainReport {
             first,
             self.final_loss()
         );
+        if let Some((step, v)) = self.val_loss() {
+            s += &format!(
+                "validation loss: {v:.4} after step {step} ({} batches of {} × {} tokens)\n",
+                cfg.eval_batches, cfg.batch, cfg.seq_len
+            );
+        }
         s += &format!(
             "throughput: {:.0} tokens/s (median step)\n",
             self.tokens_per_s
@@ -381,8 +399,12 @@ impl Sink {
         let done = r.step + 1;
         let elapsed = self.start.elapsed().as_secs_f64();
         let eta = elapsed / done as f64 * self.steps.saturating_sub(done) as f64;
+        let val = match r.val_loss {
+            Some(v) => format!(" | val {v:.4}"),
+            None => String::new(),
+        };
         let line = format!(
-            "step {done:>5}/{} loss {:.4} | {:>6.0} tok/s | lr {:.2e} | eta {:.0}s",
+            "step {done:>5}/{} loss {:.4}{val} | {:>6.0} tok/s | lr {:.2e} | eta {:.0}s",
             self.steps, r.loss, r.tokens_per_s, r.lr, eta
         );
         if self.tty {
@@ -393,10 +415,15 @@ impl Sink {
                 "#".repeat(filled),
                 ".".repeat(width - filled)
             );
-            if done >= self.steps {
+            // A line with a validation loss stays on the screen.
+            if done >= self.steps || r.val_loss.is_some() {
                 eprintln!();
             }
-        } else if done == 1 || done == self.steps || done.is_multiple_of((self.steps / 10).max(1)) {
+        } else if done == 1
+            || done == self.steps
+            || done.is_multiple_of((self.steps / 10).max(1))
+            || r.val_loss.is_some()
+        {
             eprintln!("{line}");
         }
     }

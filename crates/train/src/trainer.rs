@@ -13,8 +13,8 @@ use switchyard_comm::local::Launcher;
 use switchyard_comm::{Communicator, ReduceOp};
 use switchyard_shard::ParamSource;
 
-use crate::checkpoint::{self, fnv64, Checkpoint, CorpusInfo, FileEntry, FullState, Manifest};
-use crate::data::Corpus;
+use crate::checkpoint::{self, Checkpoint, CorpusInfo, FileEntry, FullState, Manifest};
+use crate::data::Dataset;
 use crate::report::{gather, Sink, StepRecord, TrainReport};
 use crate::run_dir;
 use crate::weights::Weights;
@@ -71,19 +71,19 @@ enum Start {
     },
 }
 
-/// Trains `cfg` on `corpus` with the in-process backend, one thread per rank, and
+/// Trains `cfg` on `data` with the in-process backend, one thread per rank, and
 /// returns the job's report. Every configuration error is reported before any worker
 /// starts.
 pub fn train(
     cfg: &TrainConfig,
-    corpus: &Corpus,
+    data: &dyn Dataset,
     opts: &TrainOptions,
 ) -> anyhow::Result<TrainReport> {
     // Every worker is a thread of this process: check its threads and memory first.
     cfg.validate()
         .and_then(|()| cfg.check_machine(cfg.world_size()))
         .map_err(|e| anyhow!("invalid configuration: {e}"))?;
-    let ctx = RankContext::prepare(cfg, corpus, opts)?;
+    let ctx = RankContext::prepare(cfg, data, opts)?;
     ctx.plan.apply()?;
     let mut launcher =
         Launcher::new(cfg.world_size()).timeout(Duration::from_secs_f64(cfg.comm_timeout_secs));
@@ -106,7 +106,7 @@ pub fn train(
 pub fn train_rank(
     world: Arc<dyn Communicator>,
     cfg: &TrainConfig,
-    corpus: &Corpus,
+    data: &dyn Dataset,
     opts: &TrainOptions,
 ) -> anyhow::Result<Option<TrainReport>> {
     if world.world_size() != cfg.world_size() {
@@ -120,7 +120,7 @@ pub fn train_rank(
             cfg.world_size()
         );
     }
-    let ctx = RankContext::prepare(cfg, corpus, opts)?;
+    let ctx = RankContext::prepare(cfg, data, opts)?;
     // Only rank 0 changes the checkpoint directory; the others wait for it.
     if world.rank() == 0 {
         ctx.plan.apply()?;
@@ -132,7 +132,7 @@ pub fn train_rank(
 /// What every rank shares.
 struct RankContext<'a> {
     cfg: &'a TrainConfig,
-    corpus: &'a Corpus,
+    data: &'a dyn Dataset,
     corpus_info: CorpusInfo,
     opts: &'a TrainOptions,
     start: Start,
@@ -178,22 +178,23 @@ impl<'a> RankContext<'a> {
     /// Checks the configuration, the data and whatever the run starts from.
     fn prepare(
         cfg: &'a TrainConfig,
-        corpus: &'a Corpus,
+        data: &'a dyn Dataset,
         opts: &'a TrainOptions,
     ) -> anyhow::Result<Self> {
         cfg.validate()
             .map_err(|e| anyhow!("invalid configuration: {e}"))?;
-        corpus.check(cfg.seq_len).map_err(anyhow::Error::msg)?;
+        data.check(cfg.model.vocab_size, cfg.seq_len)
+            .map_err(anyhow::Error::msg)?;
         let corpus_info = CorpusInfo {
-            name: corpus.name.clone(),
-            bytes: corpus.len(),
-            fnv64: fnv64(corpus.bytes()),
+            name: data.name().to_string(),
+            bytes: data.train().len(),
+            fnv64: data.fingerprint(),
         };
         let start = prepare_start(cfg, opts, &corpus_info)?;
         let (run_id, plan) = prepare_dir(cfg, opts, &start)?;
         Ok(RankContext {
             cfg,
-            corpus,
+            data,
             corpus_info,
             opts,
             start,
@@ -279,7 +280,7 @@ fn prepare_start(
         }
         if m.corpus.bytes != corpus.bytes || m.corpus.fnv64 != corpus.fnv64 {
             anyhow::bail!(
-                "{} was trained on {} ({} bytes); this run reads {} ({} bytes): pass the same --data to resume",
+                "{} was trained on {} ({} tokens); this run reads {} ({} tokens): pass the same --data (and --val-fraction) to resume",
                 ckpt.path.display(),
                 m.corpus.name,
                 m.corpus.bytes,
@@ -342,7 +343,7 @@ fn run_rank(
             (ParamSource::Full(full.params.clone()), manifest.step)
         }
     };
-    let mut worker = Worker::new(world, cfg, ctx.corpus, source)?;
+    let mut worker = Worker::new(world, cfg, ctx.data, source)?;
     if let Start::Checkpoint { manifest, full, .. } = &ctx.start {
         worker.restore_optimizer(&full.m, &full.v, manifest.optimizer_t)?;
     }
@@ -364,7 +365,7 @@ fn run_rank(
     let mut saved_this_run = false;
     let mut interrupted = false;
     for step in first_step..cfg.steps {
-        let m = match worker.step(step)? {
+        let mut m = match worker.step(step)? {
             Ok(m) => m,
             Err(nf) if nf.rank == me => {
                 let c = worker.mesh.coord;
@@ -380,11 +381,14 @@ fn run_rank(
             // Another rank reports it; stop here without an error of our own.
             Err(_) => break,
         };
+        let done = step + 1;
+        if done == cfg.steps || (cfg.eval_every > 0 && done % cfg.eval_every == 0) {
+            m.val_loss = worker.validation_loss(cfg.eval_batches)?;
+        }
         if let Some(sink) = sink.as_mut() {
             sink.step(&StepRecord::of(cfg, &m));
         }
         steps.push(m);
-        let done = step + 1;
         let stop = done < cfg.steps && stop_requested(&worker, opts.stop.as_deref())?;
         if let Some(dir) = &opts.checkpoint_dir {
             let due = done == cfg.steps || (opts.save_every > 0 && done % opts.save_every == 0);

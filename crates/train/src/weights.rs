@@ -3,12 +3,13 @@
 //!
 //! ## `switchyard eval` — exactly what it computes
 //!
-//! The mean cross-entropy, in nats per byte, of predicting each byte from the bytes
-//! before it, over consecutive non-overlapping windows of `L + 1` bytes starting at byte
-//! 0 of the file: window `k` is bytes `[k(L+1), (k+1)(L+1))`, its inputs are its first `L`
-//! bytes and its targets its last `L`. A trailing partial window is skipped; with
-//! `--max-windows N` only the first `N` windows count. Every target byte weighs the same:
-//! the result is the sum of all `N·L` losses divided by `N·L`.
+//! The mean cross-entropy, in nats per token (per byte for byte-level text), of predicting
+//! each token from the tokens before it, over consecutive non-overlapping windows of
+//! `L + 1` tokens starting at token 0 of the validation split (of the whole data when it
+//! has none, see [`crate::data`]): window `k` is tokens `[k(L+1), (k+1)(L+1))`, its inputs
+//! are its first `L` tokens and its targets its last `L`. A trailing partial window is
+//! skipped; with `--max-windows N` only the first `N` windows count. Every target token
+//! weighs the same: the result is the sum of all `N·L` losses divided by `N·L`.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -19,7 +20,7 @@ use switchyard_models::{plan_stages, GptConfig, GptStage, LayerCosts, SplitSpec}
 use switchyard_shard::{single_device, ParamSource, ParamStore};
 
 use crate::checkpoint::Checkpoint;
-use crate::data::Corpus;
+use crate::data::Dataset;
 pub use crate::export::{check_destination, Integrity};
 use crate::export::{checksum, verify, write_file, CHECKSUM_KEY};
 
@@ -240,7 +241,7 @@ pub struct EvalReport {
 /// The mean cross-entropy over the evaluation windows (see the module docs).
 pub fn evaluate(
     w: &Weights,
-    corpus: &Corpus,
+    data: &dyn Dataset,
     seq_len: usize,
     max_windows: Option<usize>,
 ) -> Result<EvalReport> {
@@ -250,11 +251,23 @@ pub fn evaluate(
             w.config.block_size
         );
     }
-    let windows = corpus.eval_windows(seq_len, max_windows);
+    let split = data.validation().unwrap_or(data.train());
+    if let Some((id, at)) = split
+        .largest
+        .filter(|(id, _)| *id as usize >= w.config.vocab_size)
+    {
+        bail!(
+            "the data {} has token id {id} at token offset {at}, but the model's vocabulary \
+             has {} ids: evaluate on data made with the model's tokenizer",
+            split.name,
+            w.config.vocab_size
+        );
+    }
+    let windows = data.eval_windows(seq_len, max_windows);
     if windows.is_empty() {
         bail!(
-            "{} is shorter than one window of {} bytes",
-            corpus.name,
+            "{} is shorter than one window of {} tokens",
+            split.name,
             seq_len + 1
         );
     }
@@ -308,6 +321,13 @@ pub fn sample_with(
 ) -> Result<()> {
     if !(temperature.is_finite() && temperature >= 0.0) {
         bail!("--temperature must be a number ≥ 0 (0 samples greedily), got {temperature}");
+    }
+    if w.config.vocab_size != 256 {
+        bail!(
+            "sampling decodes bytes, but this model's vocabulary has {} ids (a tokenizer's): \
+             sampling token models is not supported yet",
+            w.config.vocab_size
+        );
     }
     let model = w.model()?;
     let block = w.config.block_size;

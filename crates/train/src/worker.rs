@@ -25,7 +25,7 @@ use switchyard_schedule::Program;
 use switchyard_shard::{gather_full_tensor, Param, ParamSource, ParamStore, ShardSpec};
 
 use crate::checkpoint::RankShard;
-use crate::data::Corpus;
+use crate::data::{Dataset, Sampler};
 use crate::optim::{sum_sq, AdamW, AdamWConfig, LrSchedule};
 use crate::TrainConfig;
 
@@ -63,6 +63,8 @@ pub struct StepMetrics {
     pub seconds: f64,
     /// What the pipeline executor measured on this rank.
     pub exec: StepStats,
+    /// The validation loss after this step, when it was measured.
+    pub val_loss: Option<f64>,
 }
 
 /// The error of a step that found a non-finite loss or gradient.
@@ -76,7 +78,7 @@ pub struct NonFinite {
 }
 
 /// One rank's state.
-pub struct Worker {
+pub struct Worker<'a> {
     pub cfg: TrainConfig,
     pub mesh: Mesh,
     program: CheckedProgram,
@@ -95,18 +97,18 @@ pub struct Worker {
     tied: Option<(usize, Arc<dyn Communicator>)>,
     pub opt: AdamW,
     pub schedule: LrSchedule,
-    corpus: Corpus,
+    data: &'a dyn Dataset,
     epoch: Instant,
 }
 
-impl Worker {
+impl<'a> Worker<'a> {
     /// Builds this rank's part of the job. Collective over `world`.
     pub fn new(
         world: Arc<dyn Communicator>,
         cfg: &TrainConfig,
-        corpus: &Corpus,
+        data: &'a dyn Dataset,
         source: ParamSource,
-    ) -> anyhow::Result<Worker> {
+    ) -> anyhow::Result<Worker<'a>> {
         cfg.validate().map_err(anyhow::Error::msg)?;
         let mesh = Mesh::new(world.clone(), cfg.mesh())?;
         let program = CheckedProgram::new(&cfg.program().map_err(anyhow::Error::msg)?)?;
@@ -194,7 +196,7 @@ impl Worker {
             tied,
             opt,
             schedule,
-            corpus: corpus.clone(),
+            data,
             epoch: Instant::now(),
         })
     }
@@ -225,8 +227,8 @@ impl Worker {
         let per_replica = c.batch / c.dp;
         let first = self.mesh.coord.dp * per_replica;
         let (x, y) = self
-            .corpus
-            .batch(c.seed, step, first..first + per_replica, c.seq_len)?;
+            .data
+            .batch(&Sampler::of(c), step, first..first + per_replica)?;
         let inputs = (0..m)
             .map(|i| x.narrow(0, i * mbs, mbs))
             .collect::<Result<Vec<_>>>()?;
@@ -406,7 +408,89 @@ impl Worker {
             lr,
             seconds: t0.elapsed().as_secs_f64(),
             exec,
+            val_loss: None,
         }))
+    }
+
+    /// The mean cross-entropy over `batches` validation batches (sequential windows of
+    /// the validation split, see [`crate::data`]), computed by the parallel model: each
+    /// replica scores its rows of every batch, microbatch by microbatch, forward only,
+    /// through the pipeline. `None` when the data has no validation split. Collective
+    /// over the world; every rank gets the same value.
+    pub fn validation_loss(&self, batches: usize) -> anyhow::Result<Option<f64>> {
+        if self.data.validation().is_none() {
+            return Ok(None);
+        }
+        let c = &self.cfg;
+        let sampler = Sampler::validation(c);
+        let (m, mbs) = (c.microbatches, c.microbatch_size());
+        let per_replica = c.batch / c.dp;
+        let first = self.mesh.coord.dp * per_replica;
+        let pipe = self.program();
+        let me = self.mesh.coord.pp as u32;
+        let last = pipe.num_stages - 1;
+        for (_, g) in &self.stages {
+            g.begin_step()?;
+        }
+        let scored = (|| -> anyhow::Result<(f64, f64)> {
+            let (mut sum, mut count) = (0.0, 0.0);
+            for b in 0..batches {
+                let Some(batch) =
+                    self.data
+                        .validation_batch(&sampler, b, first..first + per_replica)
+                else {
+                    return Ok((0.0, 0.0));
+                };
+                let (x, y) = batch?;
+                for mb in 0..m {
+                    let mut h = None;
+                    for (s, g) in &self.stages {
+                        let s = *s;
+                        // The activation for stage `to`; distinct from the training
+                        // step's tags (stage << 33 | …).
+                        let tag = |to: u32| {
+                            (1u64 << 62) | u64::from(to) << 44 | (b as u64) << 22 | mb as u64
+                        };
+                        let input = match s {
+                            0 => x.narrow(0, mb * mbs, mbs)?,
+                            _ if pipe.rank_of_stage(s - 1) == me => h.take().expect("ran"),
+                            _ => self
+                                .mesh
+                                .pp
+                                .recv(pipe.rank_of_stage(s - 1) as usize, tag(s))?,
+                        };
+                        let out = g.forward(&input)?;
+                        if s == last {
+                            let loss = g.loss(&out, &y.narrow(0, mb * mbs, mbs)?)?;
+                            if self.mesh.coord.tp == 0 {
+                                let n = (mbs * c.seq_len) as f64;
+                                sum += loss.to_scalar::<f32>()? as f64 * n;
+                                count += n;
+                            }
+                        } else if pipe.rank_of_stage(s + 1) == me {
+                            h = Some(out);
+                        } else {
+                            self.mesh.pp.send(
+                                &out,
+                                pipe.rank_of_stage(s + 1) as usize,
+                                tag(s + 1),
+                            )?;
+                        }
+                    }
+                }
+            }
+            Ok((sum, count))
+        })();
+        for (_, g) in &self.stages {
+            g.end_step();
+        }
+        let (sum, count) = scored?;
+        let all = self
+            .mesh
+            .world
+            .all_reduce(&Tensor::new(&[sum, count], &Device::Cpu)?, ReduceOp::Sum)?
+            .to_vec1::<f64>()?;
+        Ok(Some(all[0] / all[1]))
     }
 
     /// This rank's part of a checkpoint: the shards it owns (none outside data-parallel

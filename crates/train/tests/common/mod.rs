@@ -9,7 +9,7 @@ use candle_core::{DType, Tensor};
 use switchyard_comm::local::Launcher;
 use switchyard_models::{plan_stages, GptStage, LayerCosts, ReferenceGpt, SplitSpec};
 use switchyard_shard::{single_device, ParamSource, ParamStore};
-use switchyard_train::data::Corpus;
+use switchyard_train::data::{Corpus, Dataset, Sampler};
 use switchyard_train::optim::{sum_sq, AdamW, AdamWConfig, LrSchedule};
 use switchyard_train::{TrainConfig, Worker};
 
@@ -61,7 +61,7 @@ pub fn reference_step(
 ) -> (f64, HashMap<String, Tensor>) {
     let model = ReferenceGpt::new(&cfg.model, weights).unwrap();
     let (x, y) = Corpus::bundled()
-        .batch(cfg.seed, step, 0..cfg.batch, cfg.seq_len)
+        .batch(&Sampler::of(cfg), step, 0..cfg.batch)
         .unwrap();
     model.loss_and_grads(&x, &y).unwrap()
 }
@@ -88,9 +88,7 @@ pub fn reference_curve(cfg: &TrainConfig) -> Vec<f64> {
     let corpus = Corpus::bundled();
     let mut losses = Vec::new();
     for step in 0..cfg.steps {
-        let (x, y) = corpus
-            .batch(cfg.seed, step, 0..cfg.batch, cfg.seq_len)
-            .unwrap();
+        let (x, y) = corpus.batch(&Sampler::of(cfg), step, 0..cfg.batch).unwrap();
         let loss = model.loss(&x, &y).unwrap();
         let g = loss.backward().unwrap();
         let mut grads: Vec<Option<Tensor>> =
