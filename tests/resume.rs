@@ -32,6 +32,7 @@ fn resume_takes_the_steps_and_schedule_from_the_checkpoint_and_moves_later_steps
         "0.99",
         "--eps",
         "1e-6",
+        "--no-shuffle",
         "--save-every",
         "2",
         "--checkpoint-dir",
@@ -46,7 +47,8 @@ fn resume_takes_the_steps_and_schedule_from_the_checkpoint_and_moves_later_steps
     let saved = manifest("step-00000002");
     assert_eq!(saved["optimizer"]["decay"], "all", "{saved}");
     assert_eq!(saved["optimizer"]["eps"], 1e-6, "{saved}");
-    // No --steps, --lr, --seed, --decay …: they come from the checkpoint
+    assert_eq!(saved["config"]["shuffle"], false, "{saved}");
+    // No --steps, --lr, --seed, --decay, --no-shuffle …: they come from the checkpoint
     // (the losses below are the first run's only if every one of them does).
     let (out, err) = ok(&tiny(&[
         "--resume-from",
@@ -91,6 +93,7 @@ fn resume_takes_the_steps_and_schedule_from_the_checkpoint_and_moves_later_steps
     assert_eq!(last["optimizer"]["decay"], "matrices", "{last}");
     assert_eq!(last["optimizer"]["eps"], 1e-7, "{last}");
     assert_eq!(last["optimizer"]["beta1"], 0.8, "{last}");
+    assert_eq!(last["config"]["shuffle"], false, "{last}");
 }
 
 #[test]

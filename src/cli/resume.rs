@@ -8,11 +8,11 @@ use switchyard_train::{Resume, TrainConfig};
 use super::train::TrainArgs;
 
 /// Takes the total steps, the learning-rate schedule, the optimizer's settings (β₁, β₂,
-/// ε, the weight decay and which parameters it applies to, the clipping) and the seed
-/// from the checkpoint `--resume` continues, except those given by a flag or in the
-/// `--config` file. Reads only the manifest; the trainer checks the files. A checkpoint
-/// written before `eps` or `decay` existed gives their defaults, which were then the
-/// only behaviour.
+/// ε, the weight decay and which parameters it applies to, the clipping), the seed and
+/// the data order (`shuffle`) from the checkpoint `--resume` continues, except those
+/// given by a flag or in the `--config` file. Reads only the manifest; the trainer checks
+/// the files. A checkpoint written before `eps`, `decay` or `shuffle` existed gives
+/// their defaults, which were then the only behaviour.
 pub fn restore(c: &mut TrainConfig, a: &TrainArgs, dir: &Path, r: Resume) -> anyhow::Result<()> {
     let step = match r {
         Resume::Latest => None,
@@ -37,6 +37,6 @@ pub fn restore(c: &mut TrainConfig, a: &TrainArgs, dir: &Path, r: Resume) -> any
         a.warmup.is_some() => warmup, a.weight_decay.is_some() => weight_decay,
         a.grad_clip.is_some() => grad_clip, a.beta1.is_some() => beta1,
         a.beta2.is_some() => beta2, a.eps.is_some() => eps, a.decay.is_some() => decay,
-        a.seed.is_some() => seed);
+        a.seed.is_some() => seed, a.no_shuffle => shuffle);
     Ok(())
 }

@@ -80,6 +80,10 @@ pub struct TrainArgs {
     pub grad_clip: Option<f64>,
     #[arg(long)]
     pub seed: Option<u64>,
+    /// Read the text in order, window after window of seq-len + 1 bytes (wrapping at the
+    /// end), instead of at seeded random offsets
+    #[arg(long)]
+    pub no_shuffle: bool,
     /// A text file to train on (default: the bundled corpus)
     #[arg(long)]
     pub data: Option<PathBuf>,
@@ -228,6 +232,9 @@ pub fn resolve(a: &TrainArgs) -> anyhow::Result<(TrainConfig, Option<PathBuf>, T
         threads_per_worker => threads_per_worker, comm_timeout => comm_timeout_secs);
     if a.tied {
         c.model.tied_embeddings = true;
+    }
+    if a.no_shuffle {
+        c.shuffle = false;
     }
     let resume = match (a.resume, a.resume_from) {
         (_, Some(s)) => Some(Resume::Step(s)),

@@ -5,6 +5,7 @@ use switchyard_comm::MeshShape;
 use switchyard_models::{plan_stages, GptConfig, LayerCosts, SplitSpec};
 use switchyard_schedule::{generate, lower, validate, Program, ScheduleKind};
 
+use crate::data::Order;
 use crate::optim::{AdamWConfig, Decay};
 
 /// Everything a run needs. `switchyard train` builds it from flags and `--config`.
@@ -41,7 +42,11 @@ pub struct TrainConfig {
     pub decay: Decay,
     /// Clip the global gradient norm to this (0 = no clipping).
     pub grad_clip: f64,
+    /// Initial weights (with no `--init`) and, when `shuffle`, the data order.
     pub seed: u64,
+    /// Draw each window at a seeded random offset (`true`), or read the text in order,
+    /// window after window (`false`; see [`Order::Sequential`]).
+    pub shuffle: bool,
     /// Data-parallel gradient all-reduce bucket size, in MiB.
     pub bucket_mib: f64,
     /// Bound on any single blocking communication, in seconds.
@@ -75,6 +80,7 @@ impl Default for TrainConfig {
             decay: Decay::Matrices,
             grad_clip: 1.0,
             seed: 1337,
+            shuffle: true,
             bucket_mib: 25.0,
             comm_timeout_secs: 300.0,
             threads_per_worker: 0,
@@ -189,6 +195,14 @@ impl TrainConfig {
             eps: self.eps,
             weight_decay: self.weight_decay,
             decay: self.decay,
+        }
+    }
+
+    /// The order in which the run reads its training windows.
+    pub fn order(&self) -> Order {
+        match self.shuffle {
+            true => Order::Shuffled { seed: self.seed },
+            false => Order::Sequential { batch: self.batch },
         }
     }
 
@@ -645,13 +659,15 @@ mod tests {
     }
 
     #[test]
-    fn the_optimizer_follows_the_config() {
+    fn the_optimizer_and_data_order_follow_the_config() {
         let c = TrainConfig {
             beta1: 0.8,
             beta2: 0.99,
             eps: 1e-6,
             weight_decay: 0.01,
             decay: Decay::All,
+            shuffle: false,
+            batch: 12,
             ..TrainConfig::default()
         };
         let a = c.adamw();
@@ -660,11 +676,14 @@ mod tests {
             (0.8, 0.99, 1e-6, 0.01)
         );
         assert_eq!(a.decay, Decay::All);
+        assert_eq!(c.order(), Order::Sequential { batch: 12 });
         let d = TrainConfig::default();
         assert_eq!(d.adamw(), AdamWConfig::default());
+        assert_eq!(d.order(), Order::Shuffled { seed: 1337 });
         // A config names the rule as a string; anything else is refused.
-        let t: TrainConfig = serde_json::from_str(r#"{"decay": "all", "eps": 1e-6}"#).unwrap();
-        assert_eq!((t.decay, t.eps), (Decay::All, 1e-6));
+        let t: TrainConfig =
+            serde_json::from_str(r#"{"decay": "all", "shuffle": false, "eps": 1e-6}"#).unwrap();
+        assert_eq!((t.decay, t.shuffle, t.eps), (Decay::All, false, 1e-6));
         let e = serde_json::from_str::<TrainConfig>(r#"{"decay": "biases"}"#).unwrap_err();
         assert!(
             e.to_string().contains("expected `matrices` or `all`"),

@@ -2,9 +2,11 @@
 //! evaluation windows of `switchyard eval`.
 //!
 //! Tokens are bytes (vocabulary 256). A training batch for step `s` is `B` windows of
-//! `T + 1` bytes whose start offsets are drawn from a generator keyed by
-//! `(seed, s, sequence index)`: the same seed gives the same batches in every layout,
-//! and resuming at step `s` needs no other data state.
+//! `T + 1` bytes, inputs the first `T` and targets the last `T`, whose start offsets
+//! depend on the [`Order`]: drawn from a generator keyed by `(seed, s, sequence index)`
+//! ([`Order::Shuffled`], the default), or the text's consecutive windows in order
+//! ([`Order::Sequential`], `--no-shuffle`). Either way the same settings give the same
+//! batches in every layout, and resuming at step `s` needs no other data state.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -14,6 +16,20 @@ use candle_core::{Device, Result, Tensor};
 /// The bundled corpus: Genesis to Ruth, King James Version (public domain);
 /// see `crates/train/data/README.md`.
 pub const BUNDLED: &[u8] = include_bytes!("../data/kjv-genesis-ruth.txt");
+
+/// Which windows of the text a run trains on, and in what order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Order {
+    /// Window `i` of step `s` starts at an offset drawn from a generator keyed by
+    /// `(seed, s, i)`: any byte of the text may start a window, windows may overlap.
+    Shuffled { seed: u64 },
+    /// The tiling of [`Corpus::eval_windows`], read in order and wrapping at the end:
+    /// window `k = s·batch + i` (`i` the row of step `s`'s global batch of `batch`
+    /// sequences) starts at byte `(k mod n)·(T + 1)`, where `n = ⌊len / (T + 1)⌋` is the
+    /// number of whole windows. This is what a plain data loader without shuffling
+    /// gives, so a run can be replayed step for step by another framework.
+    Sequential { batch: usize },
+}
 
 /// A text as bytes.
 #[derive(Clone)]
@@ -96,18 +112,30 @@ impl Corpus {
         Ok(())
     }
 
-    /// The start of sequence `i` of step `step`.
-    fn offset(&self, seed: u64, step: usize, i: usize, seq_len: usize) -> usize {
-        let span = (self.len() - seq_len) as u64;
-        let h = mix(mix(mix(seed) ^ step as u64) ^ i as u64);
-        (h % span) as usize
+    /// The start of sequence `i` of step `step` (see [`Order`]). The text holds at least
+    /// one window ([`Corpus::check`]).
+    fn offset(&self, order: Order, step: usize, i: usize, seq_len: usize) -> usize {
+        match order {
+            Order::Shuffled { seed } => {
+                let span = (self.len() - seq_len) as u64;
+                let h = mix(mix(mix(seed) ^ step as u64) ^ i as u64);
+                (h % span) as usize
+            }
+            Order::Sequential { batch } => {
+                let w = seq_len + 1;
+                let n = (self.len() / w) as u128;
+                // In u128: step · batch may exceed usize on a long run of a large batch.
+                let k = step as u128 * batch as u128 + i as u128;
+                (k % n) as usize * w
+            }
+        }
     }
 
     /// Sequences `rows` of the global batch of step `step`: inputs and targets `[n, T]`
     /// as u32, targets shifted by one byte.
     pub fn batch(
         &self,
-        seed: u64,
+        order: Order,
         step: usize,
         rows: std::ops::Range<usize>,
         seq_len: usize,
@@ -116,7 +144,7 @@ impl Corpus {
         let mut x = Vec::with_capacity(n * seq_len);
         let mut y = Vec::with_capacity(n * seq_len);
         for i in rows {
-            let o = self.offset(seed, step, i, seq_len);
+            let o = self.offset(order, step, i, seq_len);
             let w = &self.bytes[o..o + seq_len + 1];
             x.extend(w[..seq_len].iter().map(|&b| b as u32));
             y.extend(w[1..].iter().map(|&b| b as u32));
@@ -165,16 +193,51 @@ mod tests {
     fn batches_are_deterministic_and_shifted() {
         let c = Corpus::bundled();
         assert!(c.len() <= 1 << 20);
-        let (x1, y1) = c.batch(5, 3, 0..4, 16).unwrap();
-        let (x2, _) = c.batch(5, 3, 0..4, 16).unwrap();
+        let order = Order::Shuffled { seed: 5 };
+        let (x1, y1) = c.batch(order, 3, 0..4, 16).unwrap();
+        let (x2, _) = c.batch(order, 3, 0..4, 16).unwrap();
         assert_eq!(x1.to_vec2::<u32>().unwrap(), x2.to_vec2::<u32>().unwrap());
-        let (x3, _) = c.batch(5, 4, 0..4, 16).unwrap();
+        let (x3, _) = c.batch(order, 4, 0..4, 16).unwrap();
         assert_ne!(x1.to_vec2::<u32>().unwrap(), x3.to_vec2::<u32>().unwrap());
         let (x, y) = (x1.to_vec2::<u32>().unwrap(), y1.to_vec2::<u32>().unwrap());
         assert_eq!(x[0][1..], y[0][..15]);
         // A slice of the global batch is the same rows.
-        let (xs, _) = c.batch(5, 3, 2..4, 16).unwrap();
+        let (xs, _) = c.batch(order, 3, 2..4, 16).unwrap();
         assert_eq!(xs.to_vec2::<u32>().unwrap(), x[2..4]);
+    }
+
+    #[test]
+    fn sequential_batches_read_the_eval_windows_in_order_and_wrap() {
+        // 23 bytes hold 4 whole windows of 4 + 1 bytes (the last 3 bytes are never read).
+        let c = Corpus::from_bytes("t", (0..23u8).collect());
+        let windows = c.eval_windows(4, None);
+        assert_eq!(windows.len(), 4);
+        let order = Order::Sequential { batch: 3 };
+        let rows = |step: usize, rows: std::ops::Range<usize>| {
+            let (x, y) = c.batch(order, step, rows, 4).unwrap();
+            let (x, y) = (x.to_vec2::<u32>().unwrap(), y.to_vec2::<u32>().unwrap());
+            x.into_iter().zip(y).collect::<Vec<_>>()
+        };
+        // Window k = step · 3 + row, modulo 4.
+        for step in 0..5 {
+            let got = rows(step, 0..3);
+            for (i, w) in got.iter().enumerate() {
+                assert_eq!(w, &windows[(step * 3 + i) % 4], "step {step} row {i}");
+            }
+        }
+        assert_eq!(rows(1, 0..3)[0].0, vec![15, 16, 17, 18]);
+        assert_eq!(rows(1, 0..3)[1], (vec![0, 1, 2, 3], vec![1, 2, 3, 4]));
+        // A replica's rows of the global batch are those rows, whatever the split.
+        assert_eq!(rows(2, 1..3), rows(2, 0..3)[1..]);
+        // The order needs no state: a far step is computed directly, without overflow.
+        let far = Order::Sequential { batch: usize::MAX };
+        let (x, _) = c.batch(far, usize::MAX, 0..1, 4).unwrap();
+        let k = (usize::MAX as u128 * usize::MAX as u128) % 4;
+        assert_eq!(x.to_vec2::<u32>().unwrap()[0][0], k as u32 * 5);
+        // A text of exactly one window repeats it.
+        let one = Corpus::from_bytes("one", (0..5u8).collect());
+        let (x, _) = one.batch(order, 7, 0..3, 4).unwrap();
+        assert_eq!(x.to_vec2::<u32>().unwrap(), vec![vec![0, 1, 2, 3]; 3]);
     }
 
     #[test]

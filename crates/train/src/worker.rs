@@ -220,7 +220,7 @@ impl Worker {
         let first = self.mesh.coord.dp * per_replica;
         let (x, y) = self
             .corpus
-            .batch(c.seed, step, first..first + per_replica, c.seq_len)?;
+            .batch(c.order(), step, first..first + per_replica, c.seq_len)?;
         let inputs = (0..m)
             .map(|i| x.narrow(0, i * mbs, mbs))
             .collect::<Result<Vec<_>>>()?;

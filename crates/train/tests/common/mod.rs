@@ -61,7 +61,7 @@ pub fn reference_step(
 ) -> (f64, HashMap<String, Tensor>) {
     let model = ReferenceGpt::new(&cfg.model, weights).unwrap();
     let (x, y) = Corpus::bundled()
-        .batch(cfg.seed, step, 0..cfg.batch, cfg.seq_len)
+        .batch(cfg.order(), step, 0..cfg.batch, cfg.seq_len)
         .unwrap();
     model.loss_and_grads(&x, &y).unwrap()
 }
@@ -83,7 +83,7 @@ pub fn reference_curve(cfg: &TrainConfig) -> Vec<f64> {
     let mut losses = Vec::new();
     for step in 0..cfg.steps {
         let (x, y) = corpus
-            .batch(cfg.seed, step, 0..cfg.batch, cfg.seq_len)
+            .batch(cfg.order(), step, 0..cfg.batch, cfg.seq_len)
             .unwrap();
         let loss = model.loss(&x, &y).unwrap();
         let g = loss.backward().unwrap();
