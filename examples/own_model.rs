@@ -155,6 +155,7 @@ fn adam(params: Vec<Var>) -> AdamW {
         beta2: 0.95,
         eps: 1e-8,
         weight_decay: 0.0,
+        ..AdamWConfig::default()
     };
     AdamW::new(params, config)
 }

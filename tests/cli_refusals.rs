@@ -189,6 +189,29 @@ fn float_flags_are_checked_by_value_and_named() {
             "--weight-decay must be a number ≥ 0, got -1",
         ),
         (
+            "--beta1",
+            "1",
+            "--beta1 must be at least 0 and below 1, got 1",
+        ),
+        (
+            "--beta1",
+            "nan",
+            "--beta1 must be at least 0 and below 1, got NaN",
+        ),
+        (
+            "--beta2",
+            "-0.5",
+            "--beta2 must be at least 0 and below 1, got -0.5",
+        ),
+        (
+            "--beta2",
+            "1.5",
+            "--beta2 must be at least 0 and below 1, got 1.5",
+        ),
+        ("--eps", "0", "--eps must be a positive number, got 0"),
+        ("--eps", "-0.5", "--eps must be a positive number, got -0.5"),
+        ("--eps", "inf", "--eps must be a positive number, got inf"),
+        (
             "--comm-timeout",
             "inf",
             "--comm-timeout must be a positive number of seconds",
@@ -206,15 +229,29 @@ fn float_flags_are_checked_by_value_and_named() {
     let e = fails(&["train", "--lr=-1"]);
     assert!(e.contains("--lr must be a positive number, got -1"), "{e}");
     let dir = scratch("betas");
-    for (key, value) in [("beta1", "1.0"), ("beta2", "nan"), ("bucket_mib", "-1.0")] {
+    // A setting from the file is named by its flag, or as a key when it has no flag.
+    for (key, value, says) in [
+        ("beta1", "1.0", "--beta1 must be"),
+        ("beta2", "nan", "--beta2 must be"),
+        ("eps", "0.0", "--eps must be"),
+        ("bucket_mib", "-1.0", "bucket_mib (a --config key) must be"),
+    ] {
         let cfg = dir.join(format!("{key}.toml"));
         std::fs::write(&cfg, format!("{key} = {value}\n")).unwrap();
         let e = fails(&["train", "--config", cfg.to_str().unwrap()]);
-        assert!(
-            e.contains(&format!("{key} (a --config key) must be")),
-            "{e}"
-        );
+        assert!(e.contains(says), "{e}");
     }
+    // The decay rule is a name: anything else is refused while the flags or the file
+    // are read.
+    let e = fails_with(2, &["train", "--decay", "biases"]);
+    assert!(e.contains("use `matrices`"), "{e}");
+    let cfg = dir.join("decay.toml");
+    std::fs::write(&cfg, "decay = \"biases\"\n").unwrap();
+    let e = fails(&["train", "--config", cfg.to_str().unwrap()]);
+    assert!(
+        e.contains("key `decay`: unknown variant `biases`, expected `matrices` or `all`"),
+        "{e}"
+    );
     for t in ["nan", "-1", "inf"] {
         let e = fails(&["sample", "--checkpoint", "/nonexistent", "--temperature", t]);
         assert!(e.contains("--temperature must be a number ≥ 0"), "{t}: {e}");

@@ -24,6 +24,15 @@ fn resume_takes_the_steps_and_schedule_from_the_checkpoint_and_moves_later_steps
         "7",
         "--weight-decay",
         "0.05",
+        "--decay",
+        "all",
+        "--beta1",
+        "0.8",
+        "--beta2",
+        "0.99",
+        "--eps",
+        "1e-6",
+        "--no-shuffle",
         "--save-every",
         "2",
         "--checkpoint-dir",
@@ -31,7 +40,16 @@ fn resume_takes_the_steps_and_schedule_from_the_checkpoint_and_moves_later_steps
         "--metrics",
         m1.to_str().unwrap(),
     ]));
-    // No --steps, --lr, --seed …: they come from the checkpoint.
+    let manifest = |step: &str| -> serde_json::Value {
+        let p = ck.join(step).join("manifest.json");
+        serde_json::from_slice(&std::fs::read(p).unwrap()).unwrap()
+    };
+    let saved = manifest("step-00000002");
+    assert_eq!(saved["optimizer"]["decay"], "all", "{saved}");
+    assert_eq!(saved["optimizer"]["eps"], 1e-6, "{saved}");
+    assert_eq!(saved["config"]["shuffle"], false, "{saved}");
+    // No --steps, --lr, --seed, --decay, --no-shuffle …: they come from the checkpoint
+    // (the losses below are the first run's only if every one of them does).
     let (out, err) = ok(&tiny(&[
         "--resume-from",
         "2",
@@ -57,6 +75,7 @@ fn resume_takes_the_steps_and_schedule_from_the_checkpoint_and_moves_later_steps
         );
         assert_eq!(a["loss"], b["loss"], "the resumed run is the same run");
     }
+    assert_eq!(manifest("step-00000004")["optimizer"], saved["optimizer"]);
     // An explicit flag wins over the checkpoint.
     let (out, _) = ok(&tiny(&[
         "--resume",
@@ -64,8 +83,17 @@ fn resume_takes_the_steps_and_schedule_from_the_checkpoint_and_moves_later_steps
         ck_s,
         "--steps",
         "5",
+        "--decay",
+        "matrices",
+        "--eps",
+        "1e-7",
     ]));
     assert!(out.contains("trained 1 steps"), "{out}");
+    let last = manifest("step-00000005");
+    assert_eq!(last["optimizer"]["decay"], "matrices", "{last}");
+    assert_eq!(last["optimizer"]["eps"], 1e-7, "{last}");
+    assert_eq!(last["optimizer"]["beta1"], 0.8, "{last}");
+    assert_eq!(last["config"]["shuffle"], false, "{last}");
 }
 
 #[test]

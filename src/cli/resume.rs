@@ -7,9 +7,12 @@ use switchyard_train::{Resume, TrainConfig};
 
 use super::train::TrainArgs;
 
-/// Takes the total steps, the learning-rate schedule, the optimizer's settings, the
-/// seed, the vocabulary and the data settings (shuffle, validation) from the checkpoint `--resume` continues, except those given by a flag or in the
-/// `--config` file. Reads only the manifest; the trainer checks the files.
+/// Takes the total steps, the learning-rate schedule, the optimizer's settings (β₁, β₂,
+/// ε, the weight decay and which parameters it applies to, the clipping), the seed, the
+/// vocabulary and the data settings (shuffle, validation) from the checkpoint `--resume`
+/// continues, except those given by a flag or in the `--config` file. Reads only the
+/// manifest; the trainer checks the files. A checkpoint written before `eps`, `decay` or
+/// `shuffle` existed gives their defaults, which were then the only behaviour.
 pub fn restore(c: &mut TrainConfig, a: &TrainArgs, dir: &Path, r: Resume) -> anyhow::Result<()> {
     let step = match r {
         Resume::Latest => None,
@@ -42,7 +45,8 @@ pub fn restore(c: &mut TrainConfig, a: &TrainArgs, dir: &Path, r: Resume) -> any
     }
     take!(a.steps.is_some() => steps, a.lr.is_some() => lr, a.min_lr.is_some() => min_lr,
         a.warmup.is_some() => warmup, a.weight_decay.is_some() => weight_decay,
-        a.grad_clip.is_some() => grad_clip, false => beta1, false => beta2,
+        a.grad_clip.is_some() => grad_clip, a.beta1.is_some() => beta1,
+        a.beta2.is_some() => beta2, a.eps.is_some() => eps, a.decay.is_some() => decay,
         a.seed.is_some() => seed, a.no_shuffle => shuffle,
         a.val_fraction.is_some() => val_fraction, a.eval_every.is_some() => eval_every,
         a.eval_batches.is_some() => eval_batches);

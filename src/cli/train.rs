@@ -6,6 +6,7 @@ use anyhow::{anyhow, bail, Context};
 use clap::Args;
 use switchyard_models::SplitSpec;
 use switchyard_train::data::{self, Corpus, DataSpec, Dataset, TokenWidth};
+use switchyard_train::optim::Decay;
 use switchyard_train::{train, train_rank, Resume, TrainConfig, TrainOptions};
 
 #[derive(Args, Default)]
@@ -58,8 +59,22 @@ pub struct TrainArgs {
     pub min_lr: Option<f64>,
     #[arg(long)]
     pub warmup: Option<usize>,
+    /// AdamW's decoupled weight decay
     #[arg(long)]
     pub weight_decay: Option<f64>,
+    /// Which parameters decay: matrices (weights with 2+ dims, as nanoGPT) or all (every
+    /// parameter, as torch.optim.AdamW)
+    #[arg(long, value_name = "matrices|all")]
+    pub decay: Option<Decay>,
+    /// AdamW's β₁, in [0, 1)
+    #[arg(long)]
+    pub beta1: Option<f64>,
+    /// AdamW's β₂, in [0, 1)
+    #[arg(long)]
+    pub beta2: Option<f64>,
+    /// AdamW's ε (> 0), added to the root of the second moment
+    #[arg(long)]
+    pub eps: Option<f64>,
     /// Clip the global gradient norm (0: off)
     #[arg(long)]
     pub grad_clip: Option<f64>,
@@ -249,7 +264,8 @@ pub fn resolve(a: &TrainArgs) -> anyhow::Result<(TrainConfig, DataChoice, TrainO
         virtual_stages => virtual_stages, split => split, steps => steps, batch => batch,
         seq_len => seq_len, d_model => model.d_model, layers => model.n_layer,
         heads => model.n_head, lr => lr, min_lr => min_lr, warmup => warmup,
-        weight_decay => weight_decay, grad_clip => grad_clip, seed => seed,
+        weight_decay => weight_decay, decay => decay, beta1 => beta1, beta2 => beta2,
+        eps => eps, grad_clip => grad_clip, seed => seed,
         threads_per_worker => threads_per_worker, comm_timeout => comm_timeout_secs,
         vocab_size => model.vocab_size, val_fraction => val_fraction,
         eval_every => eval_every, eval_batches => eval_batches);

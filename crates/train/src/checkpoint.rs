@@ -98,7 +98,8 @@ pub struct Manifest {
     /// The run's configuration, layout included.
     pub config: TrainConfig,
     pub corpus: CorpusInfo,
-    /// The index of the next batch. Batches depend only on (seed, step), so this and the
+    /// The index of the next batch. Batches depend only on the step and the config (the
+    /// seed, or with `shuffle` off the batch size: see `data::Sampler`), so this and the
     /// seed are the whole data-loader and RNG state.
     pub data_position: usize,
     pub rng_seed: u64,

@@ -5,6 +5,8 @@ use switchyard_comm::MeshShape;
 use switchyard_models::{plan_stages, GptConfig, LayerCosts, SplitSpec};
 use switchyard_schedule::{generate, lower, validate, Program, ScheduleKind};
 
+use crate::optim::{AdamWConfig, Decay};
+
 /// Everything a run needs. `switchyard train` builds it from flags and `--config`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -32,8 +34,14 @@ pub struct TrainConfig {
     pub weight_decay: f64,
     pub beta1: f64,
     pub beta2: f64,
+    /// AdamW's ε, added to √v̂.
+    pub eps: f64,
+    /// Which parameters `weight_decay` applies to: `matrices` (nanoGPT) or `all`
+    /// (`torch.optim.AdamW`'s default).
+    pub decay: Decay,
     /// Clip the global gradient norm to this (0 = no clipping).
     pub grad_clip: f64,
+    /// Initial weights (with no `--init`) and, when `shuffle`, the data order.
     pub seed: u64,
     /// Data-parallel gradient all-reduce bucket size, in MiB.
     pub bucket_mib: f64,
@@ -75,6 +83,8 @@ impl Default for TrainConfig {
             weight_decay: 0.1,
             beta1: 0.9,
             beta2: 0.95,
+            eps: 1e-8,
+            decay: Decay::Matrices,
             grad_clip: 1.0,
             seed: 1337,
             bucket_mib: 25.0,
@@ -185,6 +195,17 @@ impl TrainConfig {
 
     pub fn tokens_per_step(&self) -> usize {
         self.batch.saturating_mul(self.seq_len)
+    }
+
+    /// AdamW's settings.
+    pub fn adamw(&self) -> AdamWConfig {
+        AdamWConfig {
+            beta1: self.beta1,
+            beta2: self.beta2,
+            eps: self.eps,
+            weight_decay: self.weight_decay,
+            decay: self.decay,
+        }
     }
 
     /// Every check that can be made before any worker starts, each with what to change.
@@ -338,14 +359,13 @@ impl TrainConfig {
         if !(self.grad_clip.is_finite() && self.grad_clip >= 0.0) {
             return bad("--grad-clip", self.grad_clip, "a number ≥ 0 (0: off)");
         }
-        for (key, v) in [("beta1", self.beta1), ("beta2", self.beta2)] {
+        for (flag, v) in [("--beta1", self.beta1), ("--beta2", self.beta2)] {
             if !(v.is_finite() && (0.0..1.0).contains(&v)) {
-                return bad(
-                    &format!("{key} (a --config key)"),
-                    v,
-                    "at least 0 and below 1",
-                );
+                return bad(flag, v, "at least 0 and below 1");
             }
+        }
+        if !(self.eps.is_finite() && self.eps > 0.0) {
+            return bad("--eps", self.eps, "a positive number");
         }
         if !(self.bucket_mib.is_finite() && self.bucket_mib > 0.0) {
             return bad(
@@ -608,13 +628,14 @@ mod tests {
     #[test]
     fn every_float_setting_is_checked_and_named() {
         type Set = fn(&mut TrainConfig, f64);
-        let cases: [(&str, Set); 9] = [
+        let cases: [(&str, Set); 10] = [
             ("--lr", |c, v| c.lr = v),
             ("--min-lr", |c, v| c.min_lr = v),
             ("--weight-decay", |c, v| c.weight_decay = v),
             ("--grad-clip", |c, v| c.grad_clip = v),
-            ("beta1 (a --config key)", |c, v| c.beta1 = v),
-            ("beta2 (a --config key)", |c, v| c.beta2 = v),
+            ("--beta1", |c, v| c.beta1 = v),
+            ("--beta2", |c, v| c.beta2 = v),
+            ("--eps", |c, v| c.eps = v),
             ("bucket_mib (a --config key)", |c, v| c.bucket_mib = v),
             ("--comm-timeout", |c, v| c.comm_timeout_secs = v),
             ("--val-fraction", |c, v| c.val_fraction = v),
@@ -626,9 +647,10 @@ mod tests {
                 assert!(e.ends_with(&format!("got {v}")), "{name} {v}: {e}");
             }
         }
-        assert!(err(|c| c.beta1 = 1.0)
-            .contains("beta1 (a --config key) must be at least 0 and below 1, got 1"));
-        assert!(err(|c| c.beta2 = 1.5).contains("beta2"));
+        assert!(err(|c| c.beta1 = 1.0).contains("--beta1 must be at least 0 and below 1, got 1"));
+        assert!(err(|c| c.beta2 = 1.5).contains("--beta2 must be at least 0 and below 1, got 1.5"));
+        assert!(err(|c| c.eps = 0.0).contains("--eps must be a positive number, got 0"));
+        assert!(err(|c| c.eps = -1e-8).contains("--eps must be a positive number, got -0.00000001"));
         assert!(err(|c| c.min_lr = 1.0)
             .contains("--min-lr must be a number from 0 to --lr (0.003), got 1"));
         assert!(err(|c| c.lr = 0.0).contains("--lr must be a positive number, got 0"));
@@ -643,9 +665,53 @@ mod tests {
             grad_clip: 0.0,
             min_lr: 0.0,
             beta1: 0.0,
+            beta2: 0.0,
             ..TrainConfig::default()
         };
         c.validate().unwrap();
+        // The smallest positive ε, and betas just below 1, are accepted.
+        let c = TrainConfig {
+            eps: f64::MIN_POSITIVE,
+            beta1: 0.999_999,
+            beta2: 1.0 - f64::EPSILON,
+            ..TrainConfig::default()
+        };
+        c.validate().unwrap();
+    }
+
+    #[test]
+    fn the_optimizer_and_data_order_follow_the_config() {
+        let c = TrainConfig {
+            beta1: 0.8,
+            beta2: 0.99,
+            eps: 1e-6,
+            weight_decay: 0.01,
+            decay: Decay::All,
+            shuffle: false,
+            batch: 12,
+            ..TrainConfig::default()
+        };
+        let a = c.adamw();
+        assert_eq!(
+            (a.beta1, a.beta2, a.eps, a.weight_decay),
+            (0.8, 0.99, 1e-6, 0.01)
+        );
+        assert_eq!(a.decay, Decay::All);
+        let s = crate::data::Sampler::of(&c);
+        assert_eq!((s.shuffle, s.batch), (false, 12));
+        let d = TrainConfig::default();
+        assert_eq!(d.adamw(), AdamWConfig::default());
+        let s = crate::data::Sampler::of(&d);
+        assert_eq!((s.shuffle, s.seed), (true, 1337));
+        // A config names the rule as a string; anything else is refused.
+        let t: TrainConfig =
+            serde_json::from_str(r#"{"decay": "all", "shuffle": false, "eps": 1e-6}"#).unwrap();
+        assert_eq!((t.decay, t.shuffle, t.eps), (Decay::All, false, 1e-6));
+        let e = serde_json::from_str::<TrainConfig>(r#"{"decay": "biases"}"#).unwrap_err();
+        assert!(
+            e.to_string().contains("expected `matrices` or `all`"),
+            "{e}"
+        );
     }
 
     #[test]

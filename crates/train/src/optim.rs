@@ -6,14 +6,75 @@
 //! same step. It runs in place on the parameter's storage, one fused pass per parameter:
 //!
 //! ```text
-//! p ← p − lr·wd·p                      (only for weights with 2+ dims, as nanoGPT)
+//! p ← p − lr·wd·p                      (only for the parameters [`Decay`] selects)
 //! m ← β₁·m + (1 − β₁)·g
 //! v ← β₂·v + (1 − β₂)·g²
 //! p ← p − lr · (m / (1 − β₁ᵗ)) / (√(v / (1 − β₂ᵗ)) + ε)
 //! ```
+//!
+//! This is `torch.optim.AdamW`'s update, term for term (the decay first, then the
+//! bias-corrected step, ε added after the square root); with [`Decay::All`] it is that
+//! optimizer with its defaults for which parameters decay, and
+//! `tests/pytorch_adamw.rs` holds five steps of a GPT to PyTorch's own numbers. The
+//! arithmetic here is f64 (the moments are kept in f64), rounded to the parameter's dtype
+//! once per step.
 
 use candle_core::{CpuStorage, DType, Layout, Result, Storage, Tensor, Var};
 use serde::{Deserialize, Serialize};
+
+/// Which parameters weight decay applies to.
+///
+/// The two conventions users compare against: nanoGPT's optimizer groups decay only the
+/// matrices (the embeddings, the attention and MLP weights, the head) and leave biases
+/// and LayerNorm gains alone; `torch.optim.AdamW` over `model.parameters()` decays
+/// everything it is given.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Decay {
+    /// Only parameters with two or more dims (nanoGPT).
+    #[default]
+    Matrices,
+    /// Every parameter (`torch.optim.AdamW`'s default).
+    All,
+}
+
+impl Decay {
+    /// Whether a parameter with `rank` dims decays.
+    pub fn applies_to(self, rank: usize) -> bool {
+        match self {
+            Decay::Matrices => rank >= 2,
+            Decay::All => true,
+        }
+    }
+
+    /// The name of the flag value and TOML string: `matrices` or `all`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Decay::Matrices => "matrices",
+            Decay::All => "all",
+        }
+    }
+}
+
+impl std::fmt::Display for Decay {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for Decay {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s.trim() {
+            "matrices" => Ok(Decay::Matrices),
+            "all" => Ok(Decay::All),
+            other => Err(format!(
+                "unknown decay rule {other:?}: use `matrices` (only weights with 2+ dims, as \
+                 nanoGPT) or `all` (every parameter, as torch.optim.AdamW)"
+            )),
+        }
+    }
+}
 
 /// AdamW hyper-parameters.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -22,6 +83,10 @@ pub struct AdamWConfig {
     pub beta2: f64,
     pub eps: f64,
     pub weight_decay: f64,
+    /// Which parameters `weight_decay` applies to (absent in checkpoints written before
+    /// it existed, which all decayed the matrices only).
+    #[serde(default)]
+    pub decay: Decay,
 }
 
 impl Default for AdamWConfig {
@@ -31,6 +96,7 @@ impl Default for AdamWConfig {
             beta2: 0.95,
             eps: 1e-8,
             weight_decay: 0.1,
+            decay: Decay::Matrices,
         }
     }
 }
@@ -78,9 +144,14 @@ pub struct AdamW {
 }
 
 impl AdamW {
-    /// Weights with two or more dims are decayed; biases, norms and gains are not.
+    /// `config.decay` decides, from each parameter's rank, which ones decay: with
+    /// [`Decay::Matrices`] weights with two or more dims do and biases, norms and gains
+    /// do not; with [`Decay::All`] every parameter does.
     pub fn new(params: Vec<Var>, config: AdamWConfig) -> AdamW {
-        let decay = params.iter().map(|p| p.rank() >= 2).collect();
+        let decay = params
+            .iter()
+            .map(|p| config.decay.applies_to(p.rank()))
+            .collect();
         let moments = params
             .iter()
             .map(|p| {
@@ -247,12 +318,57 @@ mod tests {
         Ok(())
     }
 
+    #[test]
+    fn decay_all_decays_biases_too() -> Result<()> {
+        let b = Var::new(&[1.0f64, 1.0], &Device::Cpu)?;
+        let cfg = AdamWConfig {
+            decay: Decay::All,
+            ..AdamWConfig::default()
+        };
+        let mut opt = AdamW::new(vec![b.clone()], cfg);
+        opt.step(&[Some(Tensor::new(&[1.0f64, -1.0], &Device::Cpu)?)], 0.01)?;
+        let got = b.as_tensor().to_vec1::<f64>()?;
+        let decayed = 1.0 - 0.01 * 0.1;
+        assert!((got[0] - (decayed - 0.01)).abs() < 1e-9, "{got:?}");
+        assert!((got[1] - (decayed + 0.01)).abs() < 1e-9, "{got:?}");
+        Ok(())
+    }
+
+    #[test]
+    fn decay_rules_parse_and_serialise_by_name() {
+        for d in [Decay::Matrices, Decay::All] {
+            assert_eq!(d.name().parse::<Decay>(), Ok(d));
+            assert_eq!(
+                serde_json::to_string(&d).unwrap(),
+                format!("\"{}\"", d.name())
+            );
+        }
+        let e = "weights".parse::<Decay>().unwrap_err();
+        assert!(
+            e.contains("use `matrices`") && e.contains("or `all`"),
+            "{e}"
+        );
+        assert!(!Decay::Matrices.applies_to(1) && Decay::Matrices.applies_to(2));
+        assert!(Decay::All.applies_to(1) && Decay::All.applies_to(0));
+        // A manifest written before the rule existed decayed the matrices only.
+        let old = r#"{"beta1":0.9,"beta2":0.95,"eps":1e-8,"weight_decay":0.1}"#;
+        let c: AdamWConfig = serde_json::from_str(old).unwrap();
+        assert_eq!(c, AdamWConfig::default());
+    }
+
     /// Seven steps of [`AdamW`] with the [`LrSchedule`] against a plain scalar
     /// implementation written here from the definitions (PyTorch's `AdamW`): the
     /// moments and the bias correction at t ≥ 2, decoupled weight decay on the matrix
-    /// only, and the learning rate of each step.
+    /// only (or, with [`Decay::All`], on the bias too), and the learning rate of each step.
     #[test]
     fn adamw_over_several_steps_matches_an_independent_implementation() -> Result<()> {
+        for decay in [Decay::Matrices, Decay::All] {
+            several_steps(decay)?;
+        }
+        Ok(())
+    }
+
+    fn several_steps(decay: Decay) -> Result<()> {
         let (b1, b2, eps, wd) = (0.8, 0.99, 1e-6, 0.05);
         let (max_lr, min_lr, warmup, total) = (0.1, 0.01, 2usize, 6usize);
         let lr_at = |step: usize| -> f64 {
@@ -278,6 +394,7 @@ mod tests {
             beta2: b2,
             eps,
             weight_decay: wd,
+            decay,
         };
         let mut opt = AdamW::new(vec![w.clone(), b.clone()], cfg);
         let schedule = LrSchedule {
@@ -291,7 +408,7 @@ mod tests {
         let mut x = init.clone();
         let mut m = [vec![0.0; 6], vec![0.0; 2]];
         let mut v = [vec![0.0; 6], vec![0.0; 2]];
-        let decayed = [true, false];
+        let decayed = [true, decay == Decay::All];
 
         for step in 0..7 {
             let lr = lr_at(step);

@@ -26,7 +26,7 @@ use switchyard_shard::{gather_full_tensor, Param, ParamSource, ParamStore, Shard
 
 use crate::checkpoint::RankShard;
 use crate::data::{Dataset, Sampler};
-use crate::optim::{sum_sq, AdamW, AdamWConfig, LrSchedule};
+use crate::optim::{sum_sq, AdamW, LrSchedule};
 use crate::TrainConfig;
 
 /// A [`GptStage`] as a pipeline [`Stage`].
@@ -170,13 +170,7 @@ impl<'a> Worker<'a> {
         } else {
             None
         };
-        let adam = AdamWConfig {
-            beta1: cfg.beta1,
-            beta2: cfg.beta2,
-            eps: 1e-8,
-            weight_decay: cfg.weight_decay,
-        };
-        let opt = AdamW::new(params.iter().map(|p| p.var.clone()).collect(), adam);
+        let opt = AdamW::new(params.iter().map(|p| p.var.clone()).collect(), cfg.adamw());
         let schedule = LrSchedule {
             max_lr: cfg.lr,
             min_lr: cfg.min_lr,

@@ -10,7 +10,7 @@ use switchyard_comm::local::Launcher;
 use switchyard_models::{plan_stages, GptStage, LayerCosts, ReferenceGpt, SplitSpec};
 use switchyard_shard::{single_device, ParamSource, ParamStore};
 use switchyard_train::data::{Corpus, Dataset, Sampler};
-use switchyard_train::optim::{sum_sq, AdamW, AdamWConfig, LrSchedule};
+use switchyard_train::optim::{sum_sq, AdamW, LrSchedule};
 use switchyard_train::{TrainConfig, Worker};
 
 /// A model small enough for 8 layers on 8 threads to train in milliseconds.
@@ -72,13 +72,7 @@ pub fn reference_curve(cfg: &TrainConfig) -> Vec<f64> {
     let mut names: Vec<&String> = model.params().keys().collect();
     names.sort();
     let vars: Vec<_> = names.iter().map(|n| model.params()[*n].clone()).collect();
-    let adam = AdamWConfig {
-        beta1: cfg.beta1,
-        beta2: cfg.beta2,
-        eps: 1e-8,
-        weight_decay: cfg.weight_decay,
-    };
-    let mut opt = AdamW::new(vars.clone(), adam);
+    let mut opt = AdamW::new(vars.clone(), cfg.adamw());
     let sched = LrSchedule {
         max_lr: cfg.lr,
         min_lr: cfg.min_lr,
