@@ -75,6 +75,7 @@ pub fn vocab_parallel_cross_entropy(
         local_logits,
         targets,
         start,
+        vocab,
         max_hook,
         all_reduce_hook(tp),
     )
