@@ -175,16 +175,14 @@ fn bad_data_is_refused_before_any_work_naming_the_file() {
     assert!(fails(&tiny(&["--data", &s(&empty)])).contains("empty.bin is empty"));
     let short = dir.join("short.bin");
     write_u16(&short, 0..5);
-    let e = fails(&tiny(&["--data", &s(&short)]));
-    assert!(
-        e.contains("pass --vocab-size") || e.contains("such as 6"),
-        "{e}"
-    );
-    let e = fails(&tiny(&["--data", &s(&short), "--vocab-size", "6"]));
-    assert!(
-        e.contains("has 5 tokens, fewer than one window of --seq-len + 1 = 9"),
-        "{e}"
-    );
+    // Its vocabulary (5 ids, which --tp 2 pads to 6) is fine; its length is not.
+    for vocab in [&[][..], &["--vocab-size", "6"][..]] {
+        let e = fails(&args(tiny(&["--data", &s(&short)]), vocab));
+        assert!(
+            e.contains("has 5 tokens, fewer than one window of --seq-len + 1 = 9"),
+            "{e}"
+        );
+    }
     // Tokenizers: missing, not a tokenizer, or without text.
     let text = dir.join("input.txt");
     std::fs::write(&text, "some text").unwrap();
@@ -206,5 +204,38 @@ fn bad_data_is_refused_before_any_work_naming_the_file() {
         e.contains("--val-fraction must be at least 0 and below 1"),
         "{e}"
     );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A vocabulary --tp does not divide trains (the tables are padded inside the ranks) and
+/// exports the logical `[V, d]` tables.
+#[test]
+fn a_vocabulary_tp_does_not_divide_trains_and_exports_its_logical_tables() {
+    let dir = scratch("vocab-257");
+    let train_bin = dir.join("train.bin");
+    write_u16(&train_bin, (0..2000u32).map(|i| ((i * 7919) % 257) as u16));
+    let ckpt = dir.join("ckpt");
+    let (out, err) = ok(&tiny(&[
+        "--data",
+        &s(&train_bin),
+        "--vocab-size",
+        "257",
+        "--tp",
+        "2",
+        "--steps",
+        "2",
+        "--checkpoint-dir",
+        &s(&ckpt),
+    ]));
+    assert!(err.contains("vocabulary 257"), "{err}");
+    assert!(out.contains("trained 2 steps"), "{out}");
+    let model = dir.join("model.safetensors");
+    ok(&args(
+        vec!["export".into()],
+        &["--checkpoint", &s(&ckpt), "--out", &s(&model)],
+    ));
+    let raw = candle_core::safetensors::load(&model, &candle_core::Device::Cpu).unwrap();
+    assert_eq!(raw["transformer.wte.weight"].dims(), [257, 16]);
+    assert_eq!(raw["lm_head.weight"].dims(), [257, 16]);
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -12,7 +12,7 @@
 
 use candle_core::{DType, Module, Result, Tensor, Var};
 use switchyard_shard::{
-    vocab_parallel_cross_entropy, ColumnConfig, ColumnParallelLinear, Init, LayerInit, ParallelMlp,
+    vocab_parallel_cross_entropy, ColumnParallelLinear, Init, LayerInit, ParallelMlp,
     ParallelSelfAttention, ParamStore, ShardSpec, TpGroup, VocabParallelEmbedding,
 };
 
@@ -69,13 +69,21 @@ struct Head {
 ///
 /// * input: token ids `[B, T]` (u32) on the first stage, else activations `[B, T, d]`;
 /// * output: activations `[B, T, d]`, or on the last stage this rank's slice of the
-///   logits, `[B·T, V/tp]`, for [`GptStage::loss`].
+///   logits, `[B·T, ⌈V/tp⌉]`, for [`GptStage::loss`].
+///
+/// Any vocabulary works at any degree: the token embedding and the LM head pad it to
+/// `V_p = ⌈V/tp⌉·tp` rows (Megatron-LM's padded vocabulary; the last rank or ranks hold
+/// zero padding rows), the logits of rows `≥ V` count as `−∞` in the loss, so the
+/// padding never changes the loss and gets no gradient, and outside the ranks (the
+/// parameters' full shapes, their initial values, checkpoints, export) the tables are
+/// `[V, d]`.
 pub struct GptStage {
     plan: StagePlan,
     embed: Option<Embeddings>,
     blocks: Vec<Block>,
     head: Option<Head>,
     tp: TpGroup,
+    vocab_size: usize,
     params: Vec<Var>,
 }
 
@@ -154,18 +162,12 @@ impl GptStage {
                         )?,
                         None => wte(&vb)?.tied_lm_head()?,
                     },
-                    (false, _) => ColumnParallelLinear::new(
+                    (false, _) => ColumnParallelLinear::vocab_head(
                         &vb.pp("lm_head"),
                         tp.clone(),
                         d,
                         cfg.vocab_size,
-                        ColumnConfig {
-                            bias: false,
-                            gather_output: false,
-                            blocks: 1,
-                            weight_init: normal,
-                            bias_init: Init::Zeros,
-                        },
+                        normal,
                     )?,
                 };
                 Some(Head { ln_f, lm_head })
@@ -178,6 +180,7 @@ impl GptStage {
             blocks,
             head,
             tp,
+            vocab_size: cfg.vocab_size,
             params,
         })
     }
@@ -212,7 +215,7 @@ impl GptStage {
     /// The mean cross-entropy of this stage's logits slice against `targets` (`[B, T]`
     /// u32), computed without gathering the vocabulary on one rank.
     pub fn loss(&self, logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
-        vocab_parallel_cross_entropy(logits, &targets.flatten_all()?, &self.tp)
+        vocab_parallel_cross_entropy(logits, &targets.flatten_all()?, self.vocab_size, &self.tp)
     }
 }
 

@@ -27,8 +27,16 @@ fn names_of_stage(
 
 #[test]
 fn every_parameter_follows_the_declared_tensor_parallel_plan() {
-    let cfg = GptConfig::tiny(2);
-    let specs = local::launch(2, |tp| {
+    for (vocab, tp) in [(256, 2), (257, 2), (257, 4)] {
+        let mut cfg = GptConfig::tiny(2);
+        cfg.vocab_size = vocab;
+        follows_the_plan(&cfg, tp);
+    }
+}
+
+fn follows_the_plan(cfg: &GptConfig, tp: usize) {
+    let cfg = cfg.clone();
+    let specs = local::launch(tp, |tp| {
         let plans =
             plan_stages(cfg.n_layer, 1, &SplitSpec::Even, &gpt_layer_costs(&cfg, 16)).unwrap();
         let store = ParamStore::for_group(&*tp, DType::F32, ParamSource::Init { seed: 1 })?;
@@ -43,7 +51,7 @@ fn every_parameter_follows_the_declared_tensor_parallel_plan() {
     })
     .unwrap();
     for (name, spec) in &specs[0] {
-        assert_eq!(gpt_spec(name), Some(*spec), "{name}");
+        assert_eq!(gpt_spec(name, cfg.vocab_size), Some(*spec), "{name}");
     }
     assert_eq!(specs[0].len(), cfg.param_shapes().len());
 }

@@ -43,21 +43,29 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
         let picked = shifted.gather(&targets.unsqueeze(1)?.contiguous()?, 1)?;
         return (lse - picked)?.mean_all();
     }
-    apply(logits, tg, 0, None)
+    apply(logits, tg, 0, None, None)
 }
 
-/// Cross-entropy over vocabulary-parallel logits: `local_logits` `[N, V/p]` holds the
-/// classes `vocab_start..vocab_start + V/p` of the full `[N, V]` logits. `reduce_max` and
-/// `reduce_sum` are all-reduces (max, sum) over the group that holds the other slices;
-/// each is called once forward, in that order, and nothing communicates backward. The
-/// value is the full cross-entropy; the gradient is this slice of the full gradient.
+/// Cross-entropy over vocabulary-parallel logits: `local_logits` `[N, w]` holds the
+/// classes `vocab_start..vocab_start + w` of the full `[N, V]` logits, where `V` is
+/// `vocab_size`. `reduce_max` and `reduce_sum` are all-reduces (max, sum) over the group
+/// that holds the other slices; each is called once forward, in that order, and nothing
+/// communicates backward. The value is the full cross-entropy; the gradient is this slice
+/// of the full gradient.
+///
+/// **Padding.** A vocabulary padded to `V_p = ⌈V/p⌉·p` classes (so that every rank holds
+/// `w = V_p/p` columns) has columns whose class `vocab_start + j ≥ V`. Their logits count
+/// as `−∞`: they are left out of the row maximum and of `Σ exp`, so the loss is the loss
+/// over the `V` real classes, and their gradient is exactly 0. A slice may consist of
+/// padding only.
 ///
 /// `targets` are the full `[N]` class ids (u32), the same on every rank; the caller
-/// checks that they are in range.
+/// checks that they are in `0..vocab_size`.
 pub fn cross_entropy_parallel(
     local_logits: &Tensor,
     targets: &Tensor,
     vocab_start: usize,
+    vocab_size: usize,
     reduce_max: Reduce,
     reduce_sum: Reduce,
 ) -> Result<Tensor> {
@@ -69,10 +77,20 @@ pub fn cross_entropy_parallel(
             tg.len()
         );
     }
+    if let Some((row, t)) = tg
+        .iter()
+        .enumerate()
+        .find(|&(_, &t)| t as usize >= vocab_size)
+    {
+        bail!(
+            "cross_entropy_parallel: target {t} of row {row} is out of range for {vocab_size} classes"
+        );
+    }
     apply(
         local_logits,
         tg,
         vocab_start,
+        Some(vocab_size),
         Some((reduce_max, reduce_sum)),
     )
 }
@@ -81,11 +99,13 @@ fn apply(
     logits: &Tensor,
     targets: Vec<u32>,
     start: usize,
+    vocab_size: Option<usize>,
     reduce: Option<(Reduce, Reduce)>,
 ) -> Result<Tensor> {
     logits.contiguous()?.apply_op1(CrossEntropy {
         targets,
         start,
+        vocab_size,
         reduce,
         lse: OnceLock::new(),
     })
@@ -95,12 +115,24 @@ struct CrossEntropy {
     targets: Vec<u32>,
     /// The first class of the local slice.
     start: usize,
+    /// The number of real classes, when the slice may end in padding (classes `≥ V`,
+    /// whose logits count as `−∞`); `None`: every column is real.
+    vocab_size: Option<usize>,
     reduce: Option<(Reduce, Reduce)>,
     /// Per row: the log-sum-exp over the full vocabulary.
     lse: OnceLock<CpuStorage>,
 }
 
 impl CrossEntropy {
+    /// How many leading columns of a local slice of `width` are real classes; the rest
+    /// is padding.
+    fn valid(&self, width: usize) -> usize {
+        match self.vocab_size {
+            Some(v) => v.saturating_sub(self.start).min(width),
+            None => width,
+        }
+    }
+
     /// The local column of row `r`'s target, if this slice holds it.
     fn local_target(&self, r: usize, width: usize) -> Option<usize> {
         let t = self.targets[r] as usize;
@@ -111,9 +143,11 @@ impl CrossEntropy {
 }
 
 simd! {
-    /// `Σ_j exp(z_j − m_r)` of each row `r` of `z`.
-    pub(crate) fn sum_exp<T>(z: &[T], width: usize, m: &[T], out: &mut [MaybeUninit<T>]) {
+    /// `Σ_j exp(z_j − m_r)` over the first `valid` columns of each row `r` of `z` (the
+    /// others are padding).
+    pub(crate) fn sum_exp<T>(z: &[T], width: usize, valid: usize, m: &[T], out: &mut [MaybeUninit<T>]) {
         for ((row, &m), o) in z.chunks_exact(width).zip(m).zip(out.iter_mut()) {
+            let row = &row[..valid];
             let mut acc = [T::zero(); 16];
             let mut chunks = row.chunks_exact(16);
             for c in &mut chunks {
@@ -134,11 +168,16 @@ simd! {
 }
 
 simd! {
-    /// `dz = exp(z − lse_r) · scale` over the rows of `z`.
-    pub(crate) fn softmax_scaled<T>(z: &[T], width: usize, lse: &[T], scale: T, dz: &mut [MaybeUninit<T>]) {
+    /// `dz = exp(z − lse_r) · scale` over the first `valid` columns of the rows of `z`;
+    /// 0 in the others (padding, whose logits count as `−∞`).
+    pub(crate) fn softmax_scaled<T>(z: &[T], width: usize, valid: usize, lse: &[T], scale: T, dz: &mut [MaybeUninit<T>]) {
         for ((row, &l), drow) in z.chunks_exact(width).zip(lse).zip(dz.chunks_exact_mut(width)) {
-            for (d, &v) in drow.iter_mut().zip(row) {
+            let (real, pad) = drow.split_at_mut(valid);
+            for (d, &v) in real.iter_mut().zip(row) {
                 d.write((v - l).exp() * scale);
+            }
+            for d in pad {
+                d.write(T::zero());
             }
         }
     }
@@ -153,7 +192,8 @@ impl CrossEntropy {
                 z.len()
             )
         }
-        let mut m: Vec<T> = z.par_chunks(width).map(max).collect();
+        let valid = self.valid(width);
+        let mut m: Vec<T> = z.par_chunks(width).map(|row| max(&row[..valid])).collect();
         if let Some((reduce_max, _)) = &self.reduce {
             m = reduce_max(&kernel::tensor(m, n)?)?.to_vec1::<T>()?;
         }
@@ -168,7 +208,7 @@ impl CrossEntropy {
         s.as_mut()
             .par_chunks_mut(per)
             .zip(z.par_chunks(per * width).zip(m.par_chunks(per)))
-            .for_each(|(s, (z, m))| sum_exp(z, width, m, s));
+            .for_each(|(s, (z, m))| sum_exp(z, width, valid, m, s));
         // SAFETY: `z` is `n` whole rows and `m` has `n` maxima (both checked); the chunks
         // pair up (`per` rows each) and `sum_exp` writes one sum per row.
         let mut s = unsafe { s.assume_init() };
@@ -213,14 +253,15 @@ impl CrossEntropy {
         if width == 0 || zs.len() != n * width || lse.len() != n {
             bail!("{name}: {} logits for {n} rows of {width}", zs.len())
         }
+        let valid = self.valid(width);
         let mut dz = Uninit::<T>::new(zs.len())?;
         let per = kernel::rows_per_task(n);
         dz.as_mut()
             .par_chunks_mut(per * width)
             .zip(zs.par_chunks(per * width).zip(lse.par_chunks(per)))
-            .for_each(|(d, (z, l))| softmax_scaled(z, width, l, scale, d));
+            .for_each(|(d, (z, l))| softmax_scaled(z, width, valid, l, scale, d));
         // SAFETY: whole rows with one log-sum-exp each (checked above); the chunks pair
-        // up and `softmax_scaled` writes every element of its rows.
+        // up and `softmax_scaled` writes every element of its rows (`valid ≤ width`).
         let mut dz = unsafe { dz.assume_init() };
         for r in 0..n {
             if let Some(j) = self.local_target(r, width) {

@@ -320,9 +320,9 @@ fn simd_builds_of_the_row_kernels_agree_with_f64() {
             .map(|i| (x[i] as f64 - lse[i / d] as f64).exp() * 0.5)
             .collect();
         let run = || {
-            let s = written(rows, |s| crate::loss::sum_exp(&x, d, &m, s));
+            let s = written(rows, |s| crate::loss::sum_exp(&x, d, d, &m, s));
             let dz = written(rows * d, |dz| {
-                crate::loss::softmax_scaled(&x, d, &lse, 0.5, dz)
+                crate::loss::softmax_scaled(&x, d, d, &lse, 0.5, dz)
             });
             (s, dz)
         };
@@ -332,5 +332,40 @@ fn simd_builds_of_the_row_kernels_agree_with_f64() {
         };
         close(&format!("{build} sum_exp"), &s, &want_s, 1e-6);
         close(&format!("{build} softmax_scaled"), &dz, &want_dz, 1e-6);
+
+        // The same over a slice whose last columns are vocabulary padding: left out of
+        // the sums, and a zero gradient.
+        let valid = d - d / 3;
+        let want_s: Vec<f64> = (0..rows)
+            .map(|r| {
+                (0..valid)
+                    .map(|j| (x[r * d + j] as f64 - m[r] as f64).exp())
+                    .sum()
+            })
+            .collect();
+        let want_dz: Vec<f64> = (0..rows * d)
+            .map(|i| match i % d < valid {
+                true => (x[i] as f64 - lse[i / d] as f64).exp() * 0.5,
+                false => 0.0,
+            })
+            .collect();
+        let run = || {
+            let s = written(rows, |s| crate::loss::sum_exp(&x, d, valid, &m, s));
+            let dz = written(rows * d, |dz| {
+                crate::loss::softmax_scaled(&x, d, valid, &lse, 0.5, dz)
+            });
+            (s, dz)
+        };
+        let (s, dz) = match build {
+            "baseline" => portable_only(run),
+            _ => run(),
+        };
+        close(&format!("{build} padded sum_exp"), &s, &want_s, 1e-6);
+        close(
+            &format!("{build} padded softmax_scaled"),
+            &dz,
+            &want_dz,
+            1e-6,
+        );
     }
 }

@@ -584,7 +584,8 @@ fn vocabulary_parallel_cross_entropy_gives_the_slice_of_the_full_gradient() {
     });
     let targets = Tensor::new(&TARGETS, &Device::Cpu).unwrap();
     let z = Var::from_tensor(&tensor(&mine, &[4, local], DType::F64)).unwrap();
-    let loss = cross_entropy_parallel(z.as_tensor(), &targets, 0, reduce_max, reduce_sum).unwrap();
+    let loss =
+        cross_entropy_parallel(z.as_tensor(), &targets, 0, v, reduce_max, reduce_sum).unwrap();
     assert_close("parallel loss", &to_f64(&loss), &[ce_ref(&full, v)], 1e-12);
     let g = to_f64(loss.backward().unwrap().get(z.as_tensor()).unwrap());
     let want: Vec<f64> = ce_grad(&full, v)
@@ -592,4 +593,91 @@ fn vocabulary_parallel_cross_entropy_gives_the_slice_of_the_full_gradient() {
         .flat_map(|r| r[..local].to_vec())
         .collect();
     assert_close("parallel grad", &g, &want, 1e-12);
+}
+
+/// Rank 1 of 2 over 7 classes padded to 8: it holds classes 4..7 and one padding column
+/// (class 7), whose huge logit must count as −∞: the loss and the gradient of the real
+/// columns are those of the 7 classes, and the padding column's gradient is 0.
+#[test]
+fn padding_columns_of_a_vocabulary_parallel_slice_are_left_out() {
+    let (v, w, start) = (7, 4, 4);
+    let full = Rng::new(37).vec(4 * v, 3.0);
+    let other: Vec<Vec<f64>> = full.chunks(v).map(|r| r[..start].to_vec()).collect();
+    let mine: Vec<f64> = full
+        .chunks(v)
+        .flat_map(|r| {
+            let mut row = r[start..].to_vec();
+            row.push(100.0); // padding
+            row
+        })
+        .collect();
+    let global_max: Vec<f64> = full
+        .chunks(v)
+        .map(|r| r.iter().cloned().fold(f64::MIN, f64::max))
+        .collect();
+    let om: Vec<f64> = other
+        .iter()
+        .map(|r| r.iter().cloned().fold(f64::MIN, f64::max))
+        .collect();
+    let reduce_max: Reduce = Arc::new(move |t: &Tensor| {
+        let m: Vec<f64> = to_f64(t).iter().zip(&om).map(|(a, b)| a.max(*b)).collect();
+        Ok(tensor(&m, t.dims(), t.dtype()))
+    });
+    let reduce_sum: Reduce = Arc::new(move |t: &Tensor| {
+        let mut s = to_f64(t);
+        for (r, pair) in s.chunks_mut(2).enumerate() {
+            pair[0] += other[r]
+                .iter()
+                .map(|z| (z - global_max[r]).exp())
+                .sum::<f64>();
+            let tg = TARGETS[r] as usize;
+            if tg < start {
+                pair[1] += other[r][tg] - global_max[r];
+            }
+        }
+        Ok(tensor(&s, t.dims(), t.dtype()))
+    });
+    let targets = Tensor::new(&TARGETS, &Device::Cpu).unwrap();
+    for dtype in [DType::F64, DType::F32] {
+        let z = Var::from_tensor(&tensor(&mine, &[4, w], dtype)).unwrap();
+        let loss = cross_entropy_parallel(
+            z.as_tensor(),
+            &targets,
+            start,
+            v,
+            reduce_max.clone(),
+            reduce_sum.clone(),
+        )
+        .unwrap();
+        let tol = if dtype == DType::F64 { 1e-12 } else { 1e-5 };
+        assert_close("padded loss", &to_f64(&loss), &[ce_ref(&full, v)], tol);
+        let g = to_f64(loss.backward().unwrap().get(z.as_tensor()).unwrap());
+        let want: Vec<f64> = ce_grad(&full, v)
+            .chunks(v)
+            .flat_map(|r| {
+                let mut row = r[start..].to_vec();
+                row.push(0.0);
+                row
+            })
+            .collect();
+        assert_close("padded grad", &g, &want, tol);
+        for r in 0..4 {
+            assert_eq!(g[r * w + 3], 0.0, "padding gradient of row {r}");
+        }
+    }
+    let bad = Tensor::new(&[3u32, 0, 7, 3], &Device::Cpu).unwrap();
+    let err = cross_entropy_parallel(
+        &tensor(&mine, &[4, w], DType::F64),
+        &bad,
+        start,
+        v,
+        reduce_max,
+        reduce_sum,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("target 7 of row 2 is out of range for 7 classes"),
+        "{err}"
+    );
 }

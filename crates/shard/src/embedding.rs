@@ -1,10 +1,36 @@
 //! The vocabulary-parallel token embedding.
 //!
-//! The table `E` (`[V, d]`) is split by rows: rank `i` holds `E_i`, the rows of the
-//! token ids in `[i·V/p, (i+1)·V/p)`. Each rank looks up the ids of its range, writes
-//! zeros for the others, and `g` (all-reduce forward, identity backward) sums the `p`
-//! partial results: every id is owned by exactly one rank, so the sum is the full lookup.
-//! In the backward pass each rank's gradient reaches only the rows it owns.
+//! The table `E` (`[V, d]`) is split by rows. The group size `p` need not divide `V`: as
+//! in Megatron-LM the vocabulary is padded to
+//!
+//! ```text
+//! V_p = ⌈V/p⌉·p,   c = V_p/p rows per rank,
+//! ```
+//!
+//! and rank `i` holds rows `[i·c, (i+1)·c)` of the padded table `E_p = [E; 0]`: the real
+//! rows `[i·c, min((i+1)·c, V))` followed by zero rows up to `c` (only the last rank or
+//! ranks hold padding; a rank may hold padding only, as `V = 5, p = 4`: `c = 2`, rank 3
+//! holds rows 6 and 7). This is [`ShardSpec::Padded`]: outside the rank — the parameter's
+//! full shape, its initial values, checkpoints, gathers — the table is `[V, d]` and the
+//! padding does not exist.
+//!
+//! Each rank looks up the ids of its range, writes zeros for the others, and `g`
+//! (all-reduce forward, identity backward) sums the `p` partial results: every id is
+//! owned by exactly one rank, so the sum is the full lookup. In the backward pass each
+//! rank's gradient reaches only the rows it owns.
+//!
+//! **Why the padding is inert.** No id `≥ V` exists (the lookup refuses it), so no padding
+//! row is ever looked up; the LM head's logits of padding rows are left out of the
+//! softmax (they count as `−∞` in [`crate::vocab_parallel_cross_entropy`]), so their
+//! gradient is exactly 0. A zero row with a zero gradient stays zero under AdamW (the
+//! decay `p ← p − lr·wd·p` and the update `m̂/(√v̂ + ε)` are both 0), so the padding
+//! rows are zero forever and never change the loss.
+//!
+//! *Why padding rather than uneven shards* (rank `i` holding `min(c, V − i·c)` rows): every
+//! rank's shard keeps the same shape, so the all-gathers and reduce-scatters of the
+//! collectives (which require equal shapes on every rank) and the column-parallel LM head
+//! work unchanged, and no rank ever holds an empty tensor. The price is at most `p − 1`
+//! zero rows.
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -13,15 +39,16 @@ use candle_core::{DType, Device, Module, Result, Tensor, Var};
 use switchyard_comm::Communicator;
 
 use crate::collectives::reduce_from_region;
-use crate::error::{invalid, ShardError};
+use crate::error::invalid;
 use crate::linear::{check_group, ColumnParallelLinear};
 use crate::param::{Builder, Init};
 use crate::spec::ShardSpec;
 
-/// A token embedding whose table is split over the vocabulary.
+/// A token embedding whose table is split over the (padded) vocabulary.
 ///
-/// Parameter under the builder's prefix: `weight` (full `[V, d]`, `Split { dim: 0 }`,
-/// local `[V/p, d]`). Collectives: 1 all-reduce forward, 0 backward.
+/// Parameter under the builder's prefix: `weight` (full `[V, d]`,
+/// [`ShardSpec::Padded`]` { dim: 0, size: V }`, local `[⌈V/p⌉, d]`). Collectives: 1
+/// all-reduce forward, 0 backward.
 pub struct VocabParallelEmbedding {
     name: String,
     weight: Var,
@@ -32,8 +59,9 @@ pub struct VocabParallelEmbedding {
 }
 
 impl VocabParallelEmbedding {
-    /// Creates `weight` through `vb` (e.g. `vb.pp("transformer.wte")`). The vocabulary
-    /// must divide by the group size (pad it, as Megatron does).
+    /// Creates `weight` through `vb` (e.g. `vb.pp("transformer.wte")`). Any vocabulary
+    /// size works with any group size: the table is padded to a multiple of the group
+    /// size (see the module docs).
     pub fn new(
         vb: &Builder,
         comm: Arc<dyn Communicator>,
@@ -43,21 +71,14 @@ impl VocabParallelEmbedding {
     ) -> Result<Self> {
         let name = vb.prefix().to_string();
         check_group(&name, vb, comm.as_ref())?;
-        let n = comm.world_size();
-        if !vocab_size.is_multiple_of(n) {
-            return Err(ShardError::NotDivisible {
-                layer: name,
-                what: "vocabulary size",
-                count: vocab_size,
-                by: n,
-                why: format!(
-                    "the tensor-parallel group size; pad the vocabulary to a multiple of {n}"
-                ),
-            }
-            .into());
+        if vocab_size == 0 {
+            return Err(invalid(format!("{name}: a vocabulary of 0 tokens")));
         }
-        let weight = vb.param("weight", &[vocab_size, dim], ShardSpec::split(0), init)?;
-        let per = vocab_size / n;
+        let spec = ShardSpec::padded(0, vocab_size);
+        let weight = vb.param("weight", &[vocab_size, dim], spec, init)?;
+        let (per, real) = spec
+            .padded_rows(comm.rank(), comm.world_size())
+            .expect("a padded spec");
         let start = comm.rank() * per;
         Ok(VocabParallelEmbedding {
             name,
@@ -65,7 +86,7 @@ impl VocabParallelEmbedding {
             comm,
             vocab_size,
             dim,
-            range: start..start + per,
+            range: start..start + real,
         })
     }
 
@@ -110,13 +131,15 @@ impl VocabParallelEmbedding {
         reduce_from_region(&partial, &self.comm)?.reshape(out_shape)
     }
 
-    /// This rank's table shard `[V/p, d]`: tie an LM head to it with
+    /// This rank's table shard `[⌈V/p⌉, d]` (its last rows may be padding): tie an LM
+    /// head to it with
     /// [`VocabParallelEmbedding::tied_lm_head`] or [`ColumnParallelLinear::from_weight`].
     pub fn weight(&self) -> &Var {
         &self.weight
     }
 
-    /// The token ids this rank owns.
+    /// The token ids this rank owns (the real rows of its shard; empty on a rank that
+    /// holds padding only).
     pub fn vocab_range(&self) -> Range<usize> {
         self.range.clone()
     }
@@ -136,9 +159,10 @@ impl VocabParallelEmbedding {
         &self.name
     }
 
-    /// An LM head sharing this table: `logits_local = f(h) · E_iᵀ`, `[.., V/p]`, no bias,
-    /// no gather; feed it to [`crate::vocab_parallel_cross_entropy`]. Its name is
-    /// `lm_head (tied to <name>.weight)`.
+    /// An LM head sharing this table: `logits_local = f(h) · E_iᵀ`, `[.., ⌈V/p⌉]` (the
+    /// columns of padding rows are 0), no bias, no gather; feed it to
+    /// [`crate::vocab_parallel_cross_entropy`] with the vocabulary size, which leaves the
+    /// padding out. Its name is `lm_head (tied to <name>.weight)`.
     pub fn tied_lm_head(&self) -> Result<ColumnParallelLinear> {
         ColumnParallelLinear::from_weight(
             format!("lm_head (tied to {}.weight)", self.name),

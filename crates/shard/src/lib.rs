@@ -11,8 +11,10 @@
 //!
 //! ## The pieces
 //!
-//! * [`ShardSpec`]: how a full tensor is laid out over the group (`Replicated`, or
-//!   `Split { dim, blocks }` with fused sub-blocks such as GPT's q | k | v).
+//! * [`ShardSpec`]: how a full tensor is laid out over the group (`Replicated`,
+//!   `Split { dim, blocks }` with fused sub-blocks such as GPT's q | k | v, or
+//!   `Padded { dim, size }`: a vocabulary of any size, padded with zero rows to
+//!   `V_p = ⌈V/p⌉·p` inside the ranks and `[V, d]` everywhere else).
 //! * [`ParamStore`] / [`Builder`]: parameters are declared by their full shape and
 //!   spec; each rank creates only its shard. [`Init`] generates the *full* tensor from
 //!   `(seed, name)` and slices it, so for one seed the shards at any degree are slices of
@@ -21,7 +23,8 @@
 //!   forward, all-reduce backward) and **g** ([`reduce_from_region`]: all-reduce forward,
 //!   identity backward), gather/scatter, and the sequence-parallel pair.
 //! * Layers: [`ColumnParallelLinear`] (`Y = XA`, `A = [A_1 … A_p]`),
-//!   [`RowParallelLinear`] (`Y = Σ_i X_i A_i`), [`VocabParallelEmbedding`],
+//!   [`RowParallelLinear`] (`Y = Σ_i X_i A_i`), [`VocabParallelEmbedding`] (and its
+//!   untied LM head, [`ColumnParallelLinear::vocab_head`]),
 //!   [`vocab_parallel_cross_entropy`], [`ParallelSelfAttention`] and [`ParallelMlp`].
 //!
 //! ## Design

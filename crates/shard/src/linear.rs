@@ -183,6 +183,31 @@ impl ColumnParallelLinear {
         })
     }
 
+    /// An LM head over a vocabulary of `vocab_size` ids: `weight` (full
+    /// `[vocab_size, in_features]`, [`ShardSpec::Padded`] so that any group size works,
+    /// local `[⌈V/p⌉, in]` whose last rows may be zero padding), no bias, no gather. Its
+    /// output is this rank's `[.., ⌈V/p⌉]` slice of the logits over the padded
+    /// vocabulary, for [`crate::vocab_parallel_cross_entropy`], which leaves the padding
+    /// columns out (see [`crate::VocabParallelEmbedding`] for why they stay inert).
+    /// [`ColumnParallelLinear::out_features`] is the padded vocabulary `⌈V/p⌉·p`.
+    pub fn vocab_head(
+        vb: &Builder,
+        comm: Arc<dyn Communicator>,
+        in_features: usize,
+        vocab_size: usize,
+        weight_init: Init,
+    ) -> Result<Self> {
+        let name = vb.prefix().to_string();
+        check_group(&name, vb, comm.as_ref())?;
+        let weight = vb.param(
+            "weight",
+            &[vocab_size, in_features],
+            ShardSpec::padded(0, vocab_size),
+            weight_init,
+        )?;
+        ColumnParallelLinear::from_weight(name, weight, comm, false)
+    }
+
     /// A column-parallel layer without bias over an existing local weight of shape
     /// `[out/p, in]` (split along dim 0): for an LM head tied to a
     /// [`crate::VocabParallelEmbedding`], whose weight `[V/p, d]` has exactly this layout.

@@ -5,6 +5,11 @@
 //! `(seed, name)` and then sliced, so for one seed the shards at any tensor-parallel
 //! degree are exactly slices of the single-device weights. With [`ParamSource::Full`]
 //! the full tensors come from the caller (a checkpoint) and are sliced the same way.
+//!
+//! A parameter with a [`ShardSpec::Padded`] layout (the vocabulary) has the full shape of
+//! its logical size, `[V, d]`, everywhere outside the rank: its initial values are those
+//! of the unpadded `[V, d]` tensor, the padding rows a rank holds are zeros, and
+//! [`ParamStore::gather_full`] returns `[V, d]`.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -236,7 +241,10 @@ impl ParamStore {
             ParamSource::Init { .. } if matches!(init, Init::Zeros) => {
                 Tensor::zeros(local_shape, inner.dtype, &Device::Cpu)?
             }
-            ParamSource::Init { .. } if matches!(init, Init::Ones) => {
+            // Padding rows are zeros whatever the init: go through the full tensor.
+            ParamSource::Init { .. }
+                if matches!(init, Init::Ones) && !matches!(spec, ShardSpec::Padded { .. }) =>
+            {
                 Tensor::ones(local_shape, inner.dtype, &Device::Cpu)?
             }
             ParamSource::Init { seed } => {

@@ -15,6 +15,15 @@ use crate::error::{invalid, ShardError};
 ///   of every sub-block, concatenated in block order. With `blocks = 1` this is a plain
 ///   split: rank `r` holds `full[r·s/n .. (r+1)·s/n]` along `dim`.
 ///
+/// * `Padded { dim, size }`: `dim` has the logical size `size`, which the group's size
+///   `n` need not divide. Every rank holds `c = ⌈size/n⌉` entries along `dim`: rank `r`
+///   holds `full[r·c .. min((r+1)·c, size)]` followed by zeros up to `c` (the padding).
+///   In other words the tensor is padded with zeros to `V_p = ⌈size/n⌉·n` along `dim` and
+///   split as `Split { dim, blocks: 1 }`; [`ShardSpec::merge`] drops the padding again, so
+///   the full tensor always has `size` entries. This is Megatron's padded vocabulary
+///   (`V_p = ⌈V/t⌉·t`): the embedding and the LM head use it, and the padding rows stay
+///   zero and inert (see [`crate::VocabParallelEmbedding`]).
+///
 /// `blocks > 1` describes fused parameters. GPT's `c_attn.weight` has rows `q | k | v`
 /// (`blocks = 3`, each `d` rows, heads contiguous): rank `r` gets `[q_r | k_r | v_r]`,
 /// that is whole heads of q, k and v.
@@ -40,6 +49,9 @@ pub enum ShardSpec {
     Replicated,
     /// Split along `dim`, made of `blocks` equal sub-blocks each split `n` ways.
     Split { dim: usize, blocks: usize },
+    /// Split along `dim` (of logical size `size`) after padding it with zeros to a
+    /// multiple of the group size.
+    Padded { dim: usize, size: usize },
 }
 
 impl ShardSpec {
@@ -51,6 +63,34 @@ impl ShardSpec {
     /// A fused split: `dim` holds `blocks` equal sub-blocks, each split over the ranks.
     pub fn fused(dim: usize, blocks: usize) -> ShardSpec {
         ShardSpec::Split { dim, blocks }
+    }
+
+    /// A split along `dim`, whose logical size `size` is padded with zeros to a multiple
+    /// of the group size ([`ShardSpec::Padded`]).
+    pub fn padded(dim: usize, size: usize) -> ShardSpec {
+        ShardSpec::Padded { dim, size }
+    }
+
+    /// The split dim, if the tensor is split.
+    pub fn dim(&self) -> Option<usize> {
+        match *self {
+            ShardSpec::Replicated => None,
+            ShardSpec::Split { dim, .. } | ShardSpec::Padded { dim, .. } => Some(dim),
+        }
+    }
+
+    /// For [`ShardSpec::Padded`] over `n` ranks: the entries of `dim` rank `rank` holds,
+    /// as `(c, real)`: it holds `c = ⌈size/n⌉` entries of which the first `real` are the
+    /// logical entries `rank·c ..rank·c + real`, the rest padding. `None` for the other
+    /// specs.
+    pub fn padded_rows(&self, rank: usize, n: usize) -> Option<(usize, usize)> {
+        match *self {
+            ShardSpec::Padded { size, .. } if n > 0 => {
+                let c = size.div_ceil(n);
+                Some((c, size.saturating_sub(rank * c).min(c)))
+            }
+            _ => None,
+        }
     }
 
     /// The shape one rank holds when the full shape is `full` and the group has `n` ranks.
@@ -89,6 +129,23 @@ impl ShardSpec {
                 local[dim] = full[dim] / n;
                 Ok(local)
             }
+            ShardSpec::Padded { dim, size } => {
+                if dim >= full.len() {
+                    return Err(invalid(format!(
+                        "{what}: split dim {dim} out of range for rank {}",
+                        full.len()
+                    )));
+                }
+                if full[dim] != size || size == 0 {
+                    return Err(invalid(format!(
+                        "{what}: dim {dim} has size {}, but the padded split is for size {size}",
+                        full[dim]
+                    )));
+                }
+                let mut local = full.to_vec();
+                local[dim] = size.div_ceil(n);
+                Ok(local)
+            }
         }
     }
 
@@ -124,11 +181,23 @@ impl ShardSpec {
                     .collect::<Result<Vec<_>>>()?;
                 Tensor::cat(&pieces, dim)
             }
+            ShardSpec::Padded { dim, .. } => {
+                let (c, real) = self.padded_rows(rank, n).expect("a padded spec");
+                let mut pad_shape = full.dims().to_vec();
+                pad_shape[dim] = c - real;
+                let pad = Tensor::zeros(pad_shape, full.dtype(), full.device())?;
+                match real {
+                    0 => Ok(pad),
+                    _ if real == c => full.narrow(dim, rank * c, c),
+                    _ => Tensor::cat(&[full.narrow(dim, rank * c, real)?, pad], dim),
+                }
+            }
         }
     }
 
     /// The full tensor from every rank's piece, in rank order (the inverse of
-    /// [`ShardSpec::shard`]). For `Replicated` this returns `parts[0]`.
+    /// [`ShardSpec::shard`]). For `Replicated` this returns `parts[0]`; for `Padded` the
+    /// padding is dropped, so the result has the logical size.
     pub fn merge(&self, parts: &[Tensor]) -> Result<Tensor> {
         let Some(first) = parts.first() else {
             return Err(invalid("ShardSpec::merge: no parts"));
@@ -142,6 +211,16 @@ impl ShardSpec {
         }
         match *self {
             ShardSpec::Replicated => Ok(first.clone()),
+            ShardSpec::Padded { dim, size } => {
+                let n = parts.len();
+                if dim >= first.rank() || first.dim(dim)? != size.div_ceil(n) {
+                    return Err(invalid(format!(
+                        "ShardSpec::merge: {n} parts of shape {:?} are not {self:?} pieces",
+                        first.dims()
+                    )));
+                }
+                Tensor::cat(parts, dim)?.narrow(dim, 0, size)
+            }
             ShardSpec::Split { dim, blocks } => {
                 if dim >= first.rank() || blocks == 0 || first.dim(dim)? % blocks != 0 {
                     return Err(invalid(format!(
@@ -166,7 +245,8 @@ impl ShardSpec {
 }
 
 /// The full tensor of which `local` is this rank's `spec` shard: one all-gather over
-/// `tp` for a split tensor, a copy for a replicated one. Every rank of `tp` must call it.
+/// `tp` for a split tensor (without the padding of a [`ShardSpec::Padded`] one), a copy
+/// for a replicated one. Every rank of `tp` must call it.
 pub fn gather_full_tensor(
     tp: &dyn switchyard_comm::Communicator,
     spec: &ShardSpec,
@@ -178,6 +258,11 @@ pub fn gather_full_tensor(
             let all = tp.all_gather(local, dim)?;
             spec.merge(&all.chunk(n, dim)?)
         }
+        // The gathered pieces are laid end to end already: drop the padding.
+        ShardSpec::Padded { dim, size } if n > 1 => {
+            tp.all_gather(local, dim)?.narrow(dim, 0, size)?.copy()
+        }
+        ShardSpec::Padded { dim, size } => local.narrow(dim, 0, size)?.copy(),
         _ => local.copy(),
     }
 }

@@ -1,6 +1,7 @@
-//! A full pre-LN transformer block, and a one-block GPT with a tied, vocab-parallel LM
-//! head and loss: parity with the single-device model at tp = 1, 2, 4, the exact
-//! collective count, and a non-zero gradient for every parameter.
+//! A full pre-LN transformer block, and a one-block GPT with a vocab-parallel LM head
+//! (tied or not) and loss: parity with the single-device model at tp = 1, 2, 4, also
+//! over a vocabulary the degree does not divide (padded), the exact collective count, and
+//! a non-zero gradient for every parameter.
 
 mod common;
 
@@ -11,8 +12,8 @@ use common::*;
 use switchyard_comm::{local, Communicator, Counting};
 use switchyard_ops::layer_norm;
 use switchyard_shard::{
-    vocab_parallel_cross_entropy, Builder, Init, LayerInit, ParallelMlp, ParallelSelfAttention,
-    ParamSource, ParamStore, ShardSpec, VocabParallelEmbedding,
+    vocab_parallel_cross_entropy, Builder, ColumnParallelLinear, Init, LayerInit, ParallelMlp,
+    ParallelSelfAttention, ParamSource, ParamStore, ShardSpec, VocabParallelEmbedding,
 };
 
 const D: usize = 32;
@@ -179,18 +180,20 @@ fn every_parameter_of_a_block_gets_a_nonzero_gradient() {
 }
 
 /// A one-block GPT: token (vocab-parallel) + position (replicated) embeddings, a block,
-/// the final LayerNorm, an LM head tied to the token embedding, and the vocab-parallel
-/// loss. Returns the loss.
+/// the final LayerNorm, an LM head (tied to the token embedding, or its own padded
+/// `lm_head.weight`), and the vocab-parallel loss. Returns the loss.
 fn tiny_gpt(
     comm: &Arc<dyn Communicator>,
     vb: &Builder,
+    vocab: usize,
+    tied: bool,
     ids: &Tensor,
     targets: &Tensor,
 ) -> Result<Tensor> {
     let wte = VocabParallelEmbedding::new(
         &vb.pp("transformer.wte"),
         comm.clone(),
-        VOCAB,
+        vocab,
         D,
         Init::Normal { std: 0.5 },
     )?;
@@ -202,23 +205,43 @@ fn tiny_gpt(
     )?;
     let block = Block::new(&vb.pp("transformer.h.0"), comm)?;
     let ln_f = ln_params(&vb.pp("transformer.ln_f"))?;
-    let head = wte.tied_lm_head()?;
+    let head = match tied {
+        true => wte.tied_lm_head()?,
+        false => ColumnParallelLinear::vocab_head(
+            &vb.pp("lm_head"),
+            comm.clone(),
+            D,
+            vocab,
+            Init::Normal { std: 0.5 },
+        )?,
+    };
     let x = wte.forward(ids)?.broadcast_add(wpe.as_tensor())?;
     let h = block.forward(&x)?;
     let h = layer_norm(&h, ln_f.0.as_tensor(), ln_f.1.as_tensor(), 1e-5)?;
-    let logits = head.forward(&h)?; // [B, T, V/p]
+    let logits = head.forward(&h)?; // [B, T, ⌈V/p⌉]
     let n = logits.dim(2)?;
-    vocab_parallel_cross_entropy(&logits.reshape((B * T, n))?, targets, comm)
+    vocab_parallel_cross_entropy(&logits.reshape((B * T, n))?, targets, vocab, comm)
 }
 
 #[test]
 fn tiny_gpt_with_tied_head_matches_single_device() {
+    tiny_gpt_matches_single_device(VOCAB, true);
+}
+
+/// 29 ids: padded to 30 rows at tp = 2 and to 32 at tp = 4.
+#[test]
+fn tiny_gpt_over_a_vocabulary_the_degree_does_not_divide_matches_single_device() {
+    tiny_gpt_matches_single_device(29, true);
+    tiny_gpt_matches_single_device(29, false);
+}
+
+fn tiny_gpt_matches_single_device(vocab: usize, tied: bool) {
     let dev = Device::Cpu;
     let ids: Vec<u32> = (0..(B * T) as u32)
-        .map(|i| (i * 7 + 3) % VOCAB as u32)
+        .map(|i| (i * 7 + 3) % vocab as u32)
         .collect();
     let tg: Vec<u32> = (0..(B * T) as u32)
-        .map(|i| (i * 5 + 1) % VOCAB as u32)
+        .map(|i| (i * 5 + 1) % vocab as u32)
         .collect();
     let ids = Tensor::from_vec(ids, (B, T), &dev).unwrap();
     let targets = Tensor::from_vec(tg, B * T, &dev).unwrap();
@@ -227,7 +250,7 @@ fn tiny_gpt_with_tied_head_matches_single_device() {
         let mut p = RefParams::new(dtype);
         let wte = p.p(
             "transformer.wte.weight",
-            &[VOCAB, D],
+            &[vocab, D],
             Init::Normal { std: 0.5 },
         );
         let wpe = p.p("transformer.wpe.weight", &[T, D], Init::Normal { std: 0.5 });
@@ -239,9 +262,13 @@ fn tiny_gpt_with_tied_head_matches_single_device() {
         let h = ref_block(&mut p, "transformer.h.0", &x.broadcast_add(&wpe).unwrap());
         let lw = p.p("transformer.ln_f.weight", &[D], LN_W);
         let lb = p.p("transformer.ln_f.bias", &[D], LN_B);
-        let logits = ref_linear(&ref_layer_norm(&h, &lw, &lb), &wte, None);
+        let head = match tied {
+            true => wte.clone(),
+            false => p.p("lm_head.weight", &[vocab, D], Init::Normal { std: 0.5 }),
+        };
+        let logits = ref_linear(&ref_layer_norm(&h, &lw, &lb), &head, None);
         let loss =
-            candle_nn::loss::cross_entropy(&logits.reshape((B * T, VOCAB)).unwrap(), &targets)
+            candle_nn::loss::cross_entropy(&logits.reshape((B * T, vocab)).unwrap(), &targets)
                 .unwrap();
         let grads = loss.backward().unwrap();
 
@@ -249,7 +276,7 @@ fn tiny_gpt_with_tied_head_matches_single_device() {
             let out = run_tp(tp, |comm| {
                 let (comm, counts) = Counting::wrap(comm);
                 let store = store(&comm, dtype);
-                let loss = tiny_gpt(&comm, &store.builder(), &ids, &targets)?;
+                let loss = tiny_gpt(&comm, &store.builder(), vocab, tied, &ids, &targets)?;
                 let fwd = counts.get("all_reduce");
                 counts.reset();
                 let g = loss.backward()?;
@@ -260,10 +287,10 @@ fn tiny_gpt_with_tied_head_matches_single_device() {
                 );
                 Ok((loss, param_grads(&store, &g), fwd, counts.get("all_reduce")))
             });
-            let case = format!("tiny GPT tp={tp}");
+            let case = format!("tiny GPT V={vocab} tied={tied} tp={tp}");
             for (rank, (l, _, fwd, bwd)) in out.iter().enumerate() {
                 assert_close(&format!("{case} loss rank {rank}"), l, &loss, dtype);
-                // embedding 1 + block 2 + loss 2 forward; block 2 + tied head's f 1 backward.
+                // embedding 1 + block 2 + loss 2 forward; block 2 + the head's f 1 backward.
                 let (f, b) = if tp == 1 { (0, 0) } else { (5, 3) };
                 assert_eq!(
                     (*fwd, *bwd),
@@ -274,13 +301,25 @@ fn tiny_gpt_with_tied_head_matches_single_device() {
             assert_eq!(
                 out[0].1.len(),
                 p.vars.len(),
-                "{case}: parameter count (the head adds none)"
+                "{case}: parameter count (a tied head adds none)"
             );
             for (name, (spec, _)) in &out[0].1 {
                 let parts: Vec<Tensor> = out.iter().map(|o| o.1[name].1.clone()).collect();
                 let g = merge(&format!("{case} {name}"), *spec, &parts, dtype);
                 let want = grads.get(p.vars[name].as_tensor()).unwrap();
                 assert_close(&format!("{case} grad of {name}"), &g, want, dtype);
+                // The padding rows of a vocabulary table get no gradient.
+                for (rank, part) in parts.iter().enumerate() {
+                    let Some((c, real)) = spec.padded_rows(rank, tp) else {
+                        continue;
+                    };
+                    if real < c {
+                        let pad = part.narrow(0, real, c - real).unwrap();
+                        let m = pad.abs().unwrap().sum_all().unwrap();
+                        let m = m.to_dtype(DType::F64).unwrap().to_scalar::<f64>().unwrap();
+                        assert_eq!(m, 0.0, "{case}: padding gradient of {name} on rank {rank}");
+                    }
+                }
             }
         }
     }

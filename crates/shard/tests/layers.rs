@@ -129,8 +129,16 @@ fn row_parallel_linear_matches_single_device() {
 
 #[test]
 fn vocab_parallel_embedding_matches_single_device() {
-    let (vocab, d) = (32, 16);
-    let ids: Vec<u32> = vec![0, 31, 7, 8, 15, 16, 23, 24, 3, 3];
+    // 32 splits evenly; 29 is padded to 30 and 32 at tp = 2 and 4.
+    for vocab in [32, 29] {
+        vocab_parallel_embedding_matches(vocab);
+    }
+}
+
+fn vocab_parallel_embedding_matches(vocab: usize) {
+    let d = 16;
+    let last = vocab as u32 - 1;
+    let ids: Vec<u32> = vec![0, last, 7, 8, 15, 16, 23, 24, 3, 3];
     let ids = Tensor::from_vec(ids, (B, T), &Device::Cpu).unwrap();
     for dtype in DTYPES {
         let r = rand_tensor(5, &[B, T, d], 1.0, dtype);
@@ -151,11 +159,14 @@ fn vocab_parallel_embedding_matches_single_device() {
                     d,
                     W_INIT,
                 )?;
-                assert_eq!(emb.vocab_range().len(), vocab / tp);
+                let per = vocab.div_ceil(tp);
+                let start = comm.rank() * per;
+                assert_eq!(emb.vocab_range(), start..vocab.min(start + per));
+                assert_eq!(emb.weight().dims(), [per, d]);
                 Ok((emb.forward(&ids)?, None))
             });
             check_parity(
-                "embedding",
+                &format!("embedding V={vocab}"),
                 dtype,
                 &ranks,
                 ShardSpec::Replicated,

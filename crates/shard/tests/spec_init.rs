@@ -44,6 +44,8 @@ fn shard_then_merge_round_trips() {
         ShardSpec::fused(0, 3),
         ShardSpec::fused(1, 3),
         ShardSpec::fused(0, 2),
+        ShardSpec::padded(0, 24),
+        ShardSpec::padded(1, 12),
     ];
     for spec in specs {
         for n in [1, 2, 4] {
@@ -56,6 +58,58 @@ fn shard_then_merge_round_trips() {
             assert!(equal(&spec.merge(&parts).unwrap(), &full), "{spec:?} n={n}");
         }
     }
+}
+
+/// `V_p = ⌈V/n⌉·n`: rank `r` holds rows `r·c .. min((r+1)·c, V)` then zeros up to
+/// `c = ⌈V/n⌉` (a rank may hold padding only: `V = 5`, `n = 4`); the merge drops them.
+#[test]
+fn a_padded_split_pads_with_zeros_and_merges_back_to_the_logical_size() {
+    for (v, ns) in [
+        (13, &[1, 2, 3, 4, 5, 13, 14][..]),
+        (5, &[4][..]),
+        (1, &[3][..]),
+    ] {
+        let full = (arange(&[v, 3]) + 1.0).unwrap();
+        let spec = ShardSpec::padded(0, v);
+        for &n in ns {
+            let c = v.div_ceil(n);
+            assert_eq!(spec.local_shape(&[v, 3], n).unwrap(), vec![c, 3]);
+            let parts: Vec<Tensor> = (0..n).map(|r| spec.shard(&full, r, n).unwrap()).collect();
+            for (r, p) in parts.iter().enumerate() {
+                let (per, real) = spec.padded_rows(r, n).unwrap();
+                assert_eq!(
+                    (per, real),
+                    (c, v.saturating_sub(r * c).min(c)),
+                    "V={v} n={n} r={r}"
+                );
+                let rows: Vec<Vec<f32>> = p.to_vec2().unwrap();
+                for (i, row) in rows.iter().enumerate() {
+                    let want: Vec<f32> = match i < real {
+                        true => (0..3).map(|j| ((r * c + i) * 3 + j + 1) as f32).collect(),
+                        false => vec![0.0; 3],
+                    };
+                    assert_eq!(row, &want, "V={v} n={n} rank {r} row {i}");
+                }
+            }
+            assert!(equal(&spec.merge(&parts).unwrap(), &full), "V={v} n={n}");
+        }
+    }
+    let err = ShardSpec::padded(0, 13)
+        .local_shape_of("transformer.wte.weight", &[12, 3], 2)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains(
+            "transformer.wte.weight: dim 0 has size 12, but the padded split is for size 13"
+        ),
+        "{err}"
+    );
+    let parts = vec![arange(&[6, 3]), arange(&[6, 3])];
+    let err = ShardSpec::padded(0, 13)
+        .merge(&parts)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("are not Padded"), "{err}");
 }
 
 #[test]
@@ -128,6 +182,7 @@ fn shard_spec_serde_round_trips() {
         ShardSpec::Replicated,
         ShardSpec::split(1),
         ShardSpec::fused(0, 3),
+        ShardSpec::padded(0, 257),
     ] {
         let json = serde_json::to_string(&spec).unwrap();
         assert_eq!(
@@ -139,6 +194,10 @@ fn shard_spec_serde_round_trips() {
     assert_eq!(
         serde_json::to_string(&ShardSpec::fused(0, 3)).unwrap(),
         r#"{"Split":{"dim":0,"blocks":3}}"#
+    );
+    assert_eq!(
+        serde_json::to_string(&ShardSpec::padded(0, 257)).unwrap(),
+        r#"{"Padded":{"dim":0,"size":257}}"#
     );
 }
 
@@ -157,6 +216,11 @@ fn declare(store: &ParamStore) {
     vb.param("ln_1.bias", &[16], ShardSpec::Replicated, Init::Zeros)
         .unwrap();
     vb.param("mlp.c_fc.weight", &[64, 16], ShardSpec::split(0), n)
+        .unwrap();
+    // A vocabulary no degree of 2 or 4 divides: padded.
+    vb.param("wte.weight", &[13, 16], ShardSpec::padded(0, 13), n)
+        .unwrap();
+    vb.param("pad.ln_1.weight", &[7], ShardSpec::padded(0, 7), Init::Ones)
         .unwrap();
 }
 

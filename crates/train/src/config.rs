@@ -261,16 +261,6 @@ impl TrainConfig {
                 self.tp, m.n_head, m.n_head
             ));
         }
-        if !m.vocab_size.is_multiple_of(self.tp) {
-            return Err(format!(
-                "--tp {} does not divide the vocabulary of {}: use a --tp that divides it, or \
-                 a --vocab-size that --tp divides, such as {} (ids the data never uses only \
-                 add rows to the embedding, as nanoGPT's 50304 for GPT-2's 50257)",
-                self.tp,
-                m.vocab_size,
-                m.vocab_size.div_ceil(self.tp) * self.tp
-            ));
-        }
         if self.microbatches == 0 || self.batch == 0 || self.steps == 0 {
             return Err("--batch, --microbatches and --steps must be at least 1".into());
         }
@@ -553,12 +543,6 @@ mod tests {
     #[test]
     fn bad_layouts_say_what_to_change() {
         assert!(err(|c| c.tp = 3).contains("does not divide the 4 attention heads"));
-        assert!(err(|c| {
-            c.model.n_head = 8;
-            c.model.vocab_size = 100;
-            c.tp = 8;
-        })
-        .contains("does not divide the vocabulary of 100"));
         assert!(err(|c| c.pp = 8).contains("8 stages but the model has only 4 layers"));
         assert!(err(|c| c.batch = 10).contains("does not split into --dp 1 × --microbatches 4"));
         assert!(err(|c| {

@@ -325,3 +325,73 @@ fn a_nanogpt_state_dict_without_metadata_loads_with_its_tied_head() {
         .contains("has no switchyard checksum"));
     assert!(!back.tensors.contains_key("lm_head.weight"));
 }
+
+/// [`run_cfg`] over 257 ids (which tp = 2 and 3 pad to 258 rows), 6 heads.
+fn vocab_257(pp: usize, tp: usize, tied: bool) -> TrainConfig {
+    let mut c = run_cfg(1, pp, tp, "1f1b");
+    c.model.vocab_size = 257;
+    c.model.d_model = 24;
+    c.model.n_head = 6;
+    c.model.tied_embeddings = tied;
+    c
+}
+
+#[test]
+fn a_padded_vocabulary_reshards_between_degrees() {
+    for tied in [false, true] {
+        let dir = scratch(&format!("vocab-257-{tied}"));
+        let full = losses(&run(&vocab_257(1, 2, tied), &dir, 4, None).unwrap());
+        // The checkpoint holds the logical [257, d] tables, whatever the padding.
+        let ck = Checkpoint::open(&checkpoint::step_dir(&dir, 4)).unwrap();
+        let state = ck.load_full().unwrap();
+        for name in ["transformer.wte.weight", "lm_head.weight"] {
+            if let Some(t) = state.params.get(name) {
+                assert_eq!(t.dims(), [257, 24], "{name}");
+                assert_eq!(state.m[name].dims(), [257, 24], "{name} moments");
+            }
+        }
+        for (pp, tp) in [(1, 1), (1, 3), (2, 3)] {
+            let resumed =
+                losses(&run(&vocab_257(pp, tp, tied), &dir, 0, Some(Resume::Step(4))).unwrap());
+            assert_eq!(resumed.len(), 4);
+            for (k, (r, f)) in resumed.iter().zip(&full[4..]).enumerate() {
+                let e = (r - f).abs() / f.abs();
+                assert!(
+                    e <= 1e-5,
+                    "V 257 tied {tied}: tp 2 → pp {pp} tp {tp}: step {} loss {r} vs {f} ({e:.2e})",
+                    k + 4
+                );
+            }
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
+
+#[test]
+fn a_padded_vocabulary_exports_its_logical_tables() {
+    let dir = scratch("vocab-257-export");
+    let cfg = vocab_257(1, 2, false);
+    let mut cfg = cfg;
+    cfg.steps = 2;
+    run(&cfg, &dir, 0, None).unwrap();
+    let from_ckpt = Weights::load(&dir, cfg.model.n_head).unwrap();
+    assert_eq!(from_ckpt.config, cfg.model);
+    let file = dir.join("model.safetensors");
+    from_ckpt.export(&file).unwrap();
+    let raw = candle_core::safetensors::load(&file, &candle_core::Device::Cpu).unwrap();
+    assert_eq!(raw["transformer.wte.weight"].dims(), [257, 24]);
+    assert_eq!(raw["lm_head.weight"].dims(), [257, 24]);
+    let from_file = Weights::load(&file, 99).unwrap();
+    assert_eq!(from_file.config, cfg.model);
+    // `--init` from it at tp = 3 starts where the single-device reference starts.
+    let mut fresh = vocab_257(1, 3, false);
+    fresh.steps = 1;
+    let opts = TrainOptions {
+        init: Some(file.clone()),
+        ..TrainOptions::default()
+    };
+    let started = train(&fresh, &Corpus::bundled(), &opts).unwrap().steps[0].loss;
+    let (want, _) = reference_step(&fresh, &from_file.tensors, 0);
+    assert!((started - want).abs() / want <= 1e-5, "{started} vs {want}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

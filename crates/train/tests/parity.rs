@@ -11,7 +11,7 @@ mod common;
 
 use common::*;
 use switchyard_train::data::Corpus;
-use switchyard_train::{train, TrainOptions};
+use switchyard_train::{train, TrainConfig, TrainOptions};
 
 const LAYOUTS: [(usize, usize, usize); 10] = [
     (1, 1, 1),
@@ -98,5 +98,59 @@ fn tied_embeddings_across_stages_match() {
         let mut cfg = tiny(dp, pp, tp, s);
         cfg.model.tied_embeddings = true;
         assert_step_parity(&cfg, 1e-5);
+    }
+}
+
+/// [`tiny`] over a vocabulary of 257 ids, which neither tp = 2 nor tp = 3 divides (padded
+/// to 258 and 258 rows), with 6 heads so that both degrees hold whole heads.
+fn vocab_257(dp: usize, pp: usize, tp: usize, schedule: &str, tied: bool) -> TrainConfig {
+    let mut cfg = tiny(dp, pp, tp, schedule);
+    cfg.model.vocab_size = 257;
+    cfg.model.d_model = 24;
+    cfg.model.n_head = 6;
+    cfg.model.tied_embeddings = tied;
+    cfg
+}
+
+#[test]
+fn a_vocabulary_tp_does_not_divide_matches_the_reference() {
+    for tied in [false, true] {
+        for (dp, pp, tp, s) in [
+            (1, 1, 2, "1f1b"),
+            (1, 1, 3, "1f1b"),
+            (1, 2, 2, "1f1b"),
+            (1, 2, 3, "interleaved"),
+            (2, 2, 2, "zb-h1"),
+            (1, 4, 2, "gpipe"),
+        ] {
+            assert_step_parity(&vocab_257(dp, pp, tp, s, tied), 1e-5);
+        }
+    }
+}
+
+#[test]
+fn a_padded_vocabulary_trains_the_reference_curve_and_its_padding_stays_zero() {
+    for tied in [false, true] {
+        let want = reference_curve(&vocab_257(1, 1, 1, "1f1b", tied));
+        for (pp, tp) in [(1, 3), (2, 2)] {
+            let cfg = vocab_257(1, pp, tp, "1f1b", tied);
+            let report = train(&cfg, &Corpus::bundled(), &TrainOptions::default()).unwrap();
+            for (step, (r, w)) in report.steps.iter().zip(&want).enumerate() {
+                let e = (r.loss - w).abs() / w.abs();
+                assert!(
+                    e <= 1e-4,
+                    "V 257 pp {pp} tp {tp} tied {tied}: step {step} loss {} vs reference {w} (rel {e:.2e})",
+                    r.loss
+                );
+            }
+        }
+    }
+    // With weight decay, the padding rows stay exactly zero step after step.
+    let mut cfg = vocab_257(1, 1, 2, "1f1b", false);
+    cfg.weight_decay = 0.1;
+    let padding = padding_after_steps(&cfg, 3);
+    assert_eq!(padding.len(), 2, "one padding row each of wte and lm_head");
+    for (name, rows) in padding {
+        assert!(rows.iter().flatten().all(|&v| v == 0.0), "{name}: {rows:?}");
     }
 }

@@ -185,3 +185,32 @@ pub fn assert_step_parity(cfg: &TrainConfig, tol: f64) {
         );
     }
 }
+
+/// Trains `cfg` for `steps` steps and returns, for every parameter with a padded
+/// vocabulary (`ShardSpec::Padded`), its padding rows on every rank that holds any.
+pub fn padding_after_steps(cfg: &TrainConfig, steps: usize) -> Vec<(String, Vec<Vec<f32>>)> {
+    let corpus = Corpus::bundled();
+    let outs = Launcher::new(cfg.world_size())
+        .threads_per_worker(1)
+        .run(|world| {
+            let mut w = Worker::new(world, cfg, &corpus, ParamSource::Init { seed: cfg.seed })?;
+            for step in 0..steps {
+                w.step(step)?
+                    .map_err(|e| anyhow::anyhow!("step {}: not finite", e.step))?;
+            }
+            let (rank, n) = (w.mesh.coord.tp, cfg.tp);
+            let mut out = Vec::new();
+            for p in w.params() {
+                let Some((c, real)) = p.spec.padded_rows(rank, n) else {
+                    continue;
+                };
+                if real < c {
+                    let rows = p.var.as_tensor().narrow(0, real, c - real)?;
+                    out.push((format!("{} tp rank {rank}", p.name), rows.to_vec2::<f32>()?));
+                }
+            }
+            Ok::<_, anyhow::Error>(out)
+        })
+        .unwrap_or_else(|e| panic!("{e}"));
+    outs.into_iter().flatten().collect()
+}
