@@ -17,7 +17,8 @@ use std::path::PathBuf;
 use anyhow::{ensure, Context};
 use switchyard::models::GptConfig;
 use switchyard::schedule::{
-    generate, lower, render_text, simulate, validate, Costs, Program, ScheduleKind, Timeline,
+    generate, lower, render_text, simulate, validate, Costs, Program, ScheduleChoice, ScheduleKind,
+    Timeline,
 };
 use switchyard::train::data::Corpus;
 use switchyard::train::{train, TrainConfig, TrainOptions};
@@ -109,7 +110,7 @@ fn main() -> anyhow::Result<()> {
         ..TrainConfig::default()
     };
     let with_csv = TrainConfig {
-        schedule: path.to_str().context("a UTF-8 path")?.to_string(),
+        schedule: ScheduleChoice::File(path.clone()),
         ..base.clone()
     };
     let corpus = Corpus::bundled();

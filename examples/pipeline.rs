@@ -18,7 +18,7 @@ use anyhow::{ensure, Context};
 use candle_core::{DType, Device, Module, Result, Tensor, Var};
 use switchyard::comm::local;
 use switchyard::pipeline::{Executor, Microbatches, ModuleStage, Stage, TraceEvent};
-use switchyard::schedule::{generate, render_text, simulate, Costs, Program, ScheduleKind};
+use switchyard::schedule::{generate, render_text, simulate, Costs, Op, Program, ScheduleKind};
 
 /// Pipeline ranks.
 const P: usize = 4;
@@ -123,20 +123,20 @@ fn main() -> anyhow::Result<()> {
         if kind == ScheduleKind::ZbH1 {
             // How the executor splits a backward: `I` runs autograd once (input and weight
             // gradients together) and keeps the weight gradients; `W` only adds them in.
-            let total = |op: &str| -> f64 {
+            let total = |op: Op| -> f64 {
                 ranks
                     .iter()
                     .flat_map(|r| &r.events)
-                    .filter(|e| e.action.trim_matches(|c: char| c.is_ascii_digit()) == op)
+                    .filter(|e| e.action.op == op)
                     .map(|e| e.dur_us)
                     .sum()
             };
             println!(
                 "{:<25} time in F {:.0} µs, in I {:.0} µs, in W {:.0} µs (all ranks)",
                 "",
-                total("F"),
-                total("I"),
-                total("W")
+                total(Op::F),
+                total(Op::I),
+                total(Op::W)
             );
         }
         if kind == ScheduleKind::OneFOneB {
@@ -262,7 +262,7 @@ fn write_trace(path: &std::path::Path, ranks: &[RankRun]) -> anyhow::Result<()> 
             events.push(serde_json::json!({
                 "name": e.action, "ph": "X", "pid": 0, "tid": r,
                 "ts": e.start_us, "dur": e.dur_us,
-                "cat": e.action.trim_matches(|c: char| c.is_ascii_digit()),
+                "cat": e.action.op.code(),
             }));
         }
     }

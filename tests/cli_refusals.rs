@@ -388,11 +388,24 @@ fn csv_schedule_advice_is_accepted_as_given() {
     let mut with = flags.to_vec();
     with.extend(["--virtual-stages", "2"]);
     ok(&strs(&train(&with)));
-    // A schedule file must end in .csv; the same file named .csv runs.
+    // A path is a schedule file whatever its extension: the same file as .txt runs.
     let txt = dir.join("four.txt");
     std::fs::copy(&four, &txt).unwrap();
-    let e = fails(&strs(&train(&["--schedule", txt.to_str().unwrap()])));
-    assert!(e.contains("a schedule file must end in .csv"), "{e}");
+    let mut with_txt = with.clone();
+    with_txt[1] = txt.to_str().unwrap();
+    ok(&strs(&train(&with_txt)));
+    // A file that is not there is named, with what the flag takes.
+    let gone = dir.join("gone.csv");
+    let e = fails(&strs(&train(&["--schedule", gone.to_str().unwrap()])));
+    assert!(e.contains("gone.csv: cannot read the schedule file"), "{e}");
+    assert!(
+        e.contains("gpipe, 1f1b, interleaved, zb-h1 or the path"),
+        "{e}"
+    );
+    // A word that is neither a schedule nor a path is refused as the flag is read.
+    let e = fails_with(2, &strs(&train(&["--schedule", "pipedream"])));
+    assert!(e.contains("unknown schedule \"pipedream\""), "{e}");
+    assert!(e.contains("./pipedream"), "{e}");
 }
 
 #[test]

@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{anyhow, bail, Context};
 use clap::Args;
 use switchyard_models::SplitSpec;
+use switchyard_schedule::{ScheduleChoice, ScheduleKind};
 use switchyard_train::data::{self, Corpus, DataSpec, Dataset, TokenWidth};
 use switchyard_train::optim::Decay;
 use switchyard_train::{train, train_rank, Resume, TrainConfig, TrainOptions};
@@ -24,9 +25,10 @@ pub struct TrainArgs {
     #[arg(long)]
     pub tp: Option<usize>,
     /// gpipe, 1f1b, interleaved (2 virtual stages unless --virtual-stages), zb-h1, or
-    /// the path of a CSV schedule (one row per pipeline rank: `0,0F0,0F1,0B0,0B1`)
+    /// the path of a CSV schedule (one row per pipeline rank: `0,0F0,0F1,0B0,0B1`;
+    /// `./NAME` for a file named like a schedule)
     #[arg(long)]
-    pub schedule: Option<String>,
+    pub schedule: Option<ScheduleChoice>,
     /// Microbatches per step on each replica
     #[arg(long)]
     pub microbatches: Option<usize>,
@@ -308,8 +310,11 @@ pub fn resolve(a: &TrainArgs) -> anyhow::Result<(TrainConfig, DataChoice, TrainO
         super::resume::restore(&mut c, a, dir, r)?;
     }
     // Interleaving with one chunk per rank is plain 1F1B: default to two.
-    if c.schedule == "interleaved" && a.virtual_stages.is_none() && c.virtual_stages == 1 {
-        c.virtual_stages = 2;
+    // (`interleaved:V` asks for V.)
+    if let Some(ScheduleKind::Interleaved { virtual_stages }) = c.schedule.kind() {
+        if a.virtual_stages.is_none() && c.virtual_stages == 1 {
+            c.virtual_stages = virtual_stages;
+        }
     }
     if a.lr.is_some() && a.min_lr.is_none() && c.min_lr > c.lr {
         c.min_lr = c.lr / 10.0;

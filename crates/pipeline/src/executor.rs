@@ -28,8 +28,8 @@ pub struct Microbatches<'b> {
 /// One action's place on the timeline.
 #[derive(Debug, Clone, Serialize)]
 pub struct TraceEvent {
-    /// The action, in text form (`1F3`).
-    pub action: String,
+    /// The action (serialized in its text form, `1F3`).
+    pub action: Action,
     /// Start, in microseconds since the executor's epoch.
     pub start_us: f64,
     /// Duration in microseconds.
@@ -348,7 +348,7 @@ impl<'a> Executor<'a> {
                 stats.compute += t1 - t0;
             }
             stats.events.push(TraceEvent {
-                action: a.to_string(),
+                action: *a,
                 start_us: (t0 - self.epoch).as_secs_f64() * 1e6,
                 dur_us: (t1 - t0).as_secs_f64() * 1e6,
             });

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use candle_core::{DType, Device, Result, Tensor, Var};
 use switchyard_comm::local;
 use switchyard_pipeline::{Executor, Microbatches, ModuleStage, Stage};
-use switchyard_schedule::{generate, simulate, Costs, Program, ScheduleKind};
+use switchyard_schedule::{generate, simulate, Action, Costs, Program, ScheduleKind};
 
 const D: usize = 6;
 const ROWS: usize = 3;
@@ -65,7 +65,14 @@ fn serial(stages: u32, m: usize) -> Result<(Vec<Tensor>, f64)> {
     Ok((g, total.to_scalar::<f64>()?))
 }
 
-type RankOut = (BTreeMap<u32, Tensor>, Vec<(u32, f64)>, usize);
+/// A rank's gradients by stage, losses, peak activations, and the actions of its trace
+/// with the actions its (lowered) program lists.
+type RankOut = (
+    BTreeMap<u32, Tensor>,
+    Vec<(u32, f64)>,
+    usize,
+    (Vec<Action>, Vec<Action>),
+);
 
 fn run(program: &Program) -> Vec<RankOut> {
     let m = program.num_microbatches as usize;
@@ -89,7 +96,14 @@ fn run(program: &Program) -> Vec<RankOut> {
             .into_iter()
             .map(|(s, g)| (s, g[0].clone().unwrap()))
             .collect();
-        Ok::<_, candle_core::Error>((grads, out.losses, out.stats.peak_activations))
+        let traced = out.stats.events.iter().map(|e| e.action).collect();
+        let listed = exec.program().ranks[comm.rank()].clone();
+        Ok::<_, candle_core::Error>((
+            grads,
+            out.losses,
+            out.stats.peak_activations,
+            (traced, listed),
+        ))
     })
     .unwrap()
 }
@@ -99,7 +113,9 @@ fn check(program: &Program) {
     let outs = run(program);
     let mut seen = 0;
     let mut losses = Vec::new();
-    for (grads, l, _) in &outs {
+    for (grads, l, _, (traced, listed)) in &outs {
+        // The trace holds every action the rank performed, as actions, in its order.
+        assert_eq!(traced, listed);
         losses.extend(l.iter().map(|(_, l)| *l));
         for (s, g) in grads {
             let diff = (g - &want[*s as usize])
@@ -178,13 +194,13 @@ fn one_f_one_b_peak_activations_are_measured_and_match_the_simulator() {
         .unwrap()
         .peak_activations();
     let outs = run(&program);
-    for (r, (_, _, peak)) in outs.iter().enumerate() {
+    for (r, (_, _, peak, _)) in outs.iter().enumerate() {
         assert_eq!(*peak as u32, predicted[r], "rank {r}");
         assert_eq!(*peak, (p - r).min(m), "rank {r}");
     }
     // GPipe stashes every microbatch.
     let outs = run(&generate(ScheduleKind::GPipe, p, m).unwrap());
-    assert!(outs.iter().all(|(_, _, peak)| *peak == m));
+    assert!(outs.iter().all(|(_, _, peak, _)| *peak == m));
 }
 
 /// A stage that counts the step hooks and can fail its forward pass.

@@ -13,7 +13,8 @@
 //! GPU:
 //!
 //! * [`generate`] builds GPipe, 1F1B, interleaved 1F1B and ZB-H1 programs;
-//!   [`Program::load_csv`] reads a hand-written one;
+//!   [`Program::load_csv`] reads a hand-written one, and a [`ScheduleChoice`]
+//!   names either (`1f1b`, or `mine.csv`) as a trainer's setting;
 //! * [`lower`] inserts sends and receives, ordered so that the program
 //!   cannot deadlock even if every send blocks until its receive is posted;
 //! * [`validate`] checks completeness, ordering and message matching, and
@@ -57,6 +58,7 @@
 #![warn(missing_docs)]
 
 mod action;
+mod choice;
 mod csv;
 mod engine;
 mod error;
@@ -69,6 +71,7 @@ mod simulate;
 mod validate;
 
 pub use action::{tag, Action, Op};
+pub use choice::ScheduleChoice;
 pub use error::{Result, ScheduleError, Stuck};
 pub use generate::{generate, gpipe, interleaved, one_f_one_b, zb_h1, ScheduleKind};
 pub use lower::{lower, lower_with_costs};

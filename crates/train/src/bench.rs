@@ -15,6 +15,7 @@
 
 use serde::{Deserialize, Serialize};
 use switchyard_models::{GptConfig, SplitSpec};
+use switchyard_schedule::{ScheduleChoice, ScheduleKind};
 
 use crate::data::Corpus;
 use crate::{train, TrainConfig, TrainOptions};
@@ -135,7 +136,7 @@ pub struct Case {
     pub pp: usize,
     pub tp: usize,
     pub threads_per_worker: usize,
-    pub schedule: String,
+    pub schedule: ScheduleChoice,
     pub microbatches: usize,
 }
 
@@ -150,23 +151,23 @@ impl Case {
 
 /// The rows of `switchyard bench`, baseline first.
 pub fn cases(p: &Preset) -> Vec<Case> {
-    let case = |name: &str, dp, pp, tp, threads, schedule: &str, microbatches| Case {
+    let case = |name: &str, dp, pp, tp, threads, schedule: ScheduleKind, microbatches| Case {
         name: name.into(),
         dp,
         pp,
         tp,
         threads_per_worker: threads,
-        schedule: schedule.into(),
+        schedule: ScheduleChoice::Named(schedule),
         microbatches,
     };
     let m = p.microbatches;
     vec![
-        case("1 worker", 1, 1, 1, 1, "1f1b", 1),
-        case("1 worker, 2 threads", 1, 1, 1, 2, "1f1b", 1),
-        case("pp 2 gpipe", 1, 2, 1, 1, "gpipe", m),
-        case("pp 2 1f1b", 1, 2, 1, 1, "1f1b", m),
-        case("tp 2", 1, 1, 2, 1, "1f1b", 1),
-        case("dp 2", 2, 1, 1, 1, "1f1b", 1),
+        case("1 worker", 1, 1, 1, 1, ScheduleKind::OneFOneB, 1),
+        case("1 worker, 2 threads", 1, 1, 1, 2, ScheduleKind::OneFOneB, 1),
+        case("pp 2 gpipe", 1, 2, 1, 1, ScheduleKind::GPipe, m),
+        case("pp 2 1f1b", 1, 2, 1, 1, ScheduleKind::OneFOneB, m),
+        case("tp 2", 1, 1, 2, 1, ScheduleKind::OneFOneB, 1),
+        case("dp 2", 2, 1, 1, 1, ScheduleKind::OneFOneB, 1),
     ]
 }
 

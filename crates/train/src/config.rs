@@ -3,7 +3,7 @@
 use serde::{Deserialize, Serialize};
 use switchyard_comm::MeshShape;
 use switchyard_models::{plan_stages, GptConfig, LayerCosts, SplitSpec};
-use switchyard_schedule::{generate, lower, validate, Program, ScheduleKind};
+use switchyard_schedule::{generate, lower, validate, Program, ScheduleChoice, ScheduleKind};
 
 use crate::optim::{AdamWConfig, Decay};
 
@@ -15,9 +15,10 @@ pub struct TrainConfig {
     pub dp: usize,
     pub pp: usize,
     pub tp: usize,
-    /// `gpipe`, `1f1b`, `interleaved`, `zb-h1`, or the path of a CSV schedule
-    /// (one row per pipeline rank, e.g. `0,0F0,0F1,0B0,0B1`).
-    pub schedule: String,
+    /// A built-in schedule (`gpipe`, `1f1b`, `interleaved`, `zb-h1`) or the path of a CSV
+    /// schedule (one row per pipeline rank, e.g. `0,0F0,0F1,0B0,0B1`); written as that
+    /// text in a configuration file or a manifest (see [`ScheduleChoice`]).
+    pub schedule: ScheduleChoice,
     /// Microbatches per step on each data-parallel replica.
     pub microbatches: usize,
     /// Model chunks per pipeline rank (interleaved only).
@@ -70,7 +71,7 @@ impl Default for TrainConfig {
             dp: 1,
             pp: 2,
             tp: 2,
-            schedule: "1f1b".into(),
+            schedule: ScheduleChoice::Named(ScheduleKind::OneFOneB),
             microbatches: 4,
             virtual_stages: 1,
             split: SplitSpec::Even,
@@ -109,15 +110,17 @@ impl TrainConfig {
         self.dp.saturating_mul(self.pp).saturating_mul(self.tp)
     }
 
-    /// Whether the schedule is a CSV file rather than a generated kind.
-    pub fn schedule_is_csv(&self) -> bool {
-        self.schedule.ends_with(".csv")
-    }
-
     /// The lowered, validated schedule program of one pipeline (all `pp` ranks).
     pub fn program(&self) -> Result<Program, String> {
-        let program = if self.schedule_is_csv() {
-            let p = Program::load_csv(&self.schedule).map_err(|e| e.to_string())?;
+        let program = if let ScheduleChoice::File(path) = &self.schedule {
+            let p = Program::load_csv(path).map_err(|e| match e {
+                switchyard_schedule::ScheduleError::Io { source, .. } => format!(
+                    "--schedule {}: cannot read the schedule file: {source} (--schedule takes \
+                     gpipe, 1f1b, interleaved, zb-h1 or the path of a CSV schedule)",
+                    self.schedule
+                ),
+                e => e.to_string(),
+            })?;
             let what = format!("the schedule {}", self.schedule);
             if p.num_ranks() != self.pp {
                 return Err(format!(
@@ -161,26 +164,35 @@ impl TrainConfig {
         Ok(program)
     }
 
-    /// The schedule kind, with the virtual stages for interleaving.
+    /// The schedule kind to generate, with `virtual_stages` for interleaving (an error
+    /// for a CSV file, which is loaded instead).
+    ///
+    /// `virtual_stages` is the one count of model chunks: `interleaved:V` in the schedule
+    /// must agree with it (plain `interleaved`, which reads as `interleaved:2`, takes it).
     pub fn schedule_kind(&self) -> Result<ScheduleKind, String> {
-        let v = (self.schedule == "interleaved").then_some(self.virtual_stages);
-        if self.schedule != "interleaved" && !self.schedule_is_csv() && self.virtual_stages != 1 {
-            return Err(format!(
-                "--virtual-stages {} only applies to the interleaved schedule, not {}",
-                self.virtual_stages, self.schedule
-            ));
-        }
-        ScheduleKind::from_name(&self.schedule, v).map_err(|e| {
-            if self.schedule.contains(['.', '/', '\\']) {
-                format!(
-                    "--schedule {}: not a schedule name, and a schedule file must end in .csv \
-                     (one row per pipeline rank, like 0,0F0,0F1,0B0,0B1)",
-                    self.schedule
-                )
-            } else {
-                e.to_string()
+        match self.schedule {
+            ScheduleChoice::File(_) => Err(format!(
+                "the schedule {} is a file, not a kind to generate",
+                self.schedule
+            )),
+            ScheduleChoice::Named(ScheduleKind::Interleaved { virtual_stages: v }) => {
+                if v != 2 && v != self.virtual_stages {
+                    return Err(format!(
+                        "--schedule {} asks for {v} virtual stages but --virtual-stages is {}: \
+                         give the count once, with --virtual-stages",
+                        self.schedule, self.virtual_stages
+                    ));
+                }
+                Ok(ScheduleKind::Interleaved {
+                    virtual_stages: self.virtual_stages,
+                })
             }
-        })
+            ScheduleChoice::Named(kind) if self.virtual_stages != 1 => Err(format!(
+                "--virtual-stages {} only applies to the interleaved schedule, not {kind}",
+                self.virtual_stages
+            )),
+            ScheduleChoice::Named(kind) => Ok(kind),
+        }
     }
 
     /// Pipeline stages in all: `pp × virtual stages`.
@@ -282,7 +294,11 @@ impl TrainConfig {
         if self.virtual_stages == 0 {
             return Err("--virtual-stages must be at least 1".into());
         }
-        if self.schedule == "interleaved" && self.virtual_stages < 2 {
+        if self.schedule.kind().is_some() {
+            // `--virtual-stages` against the kind, before any program is built.
+            self.schedule_kind()?;
+        }
+        if self.schedule.is_interleaved() && self.virtual_stages < 2 {
             return Err(format!(
                 "the interleaved schedule needs --virtual-stages 2 or more (got {}); with 1 it is plain 1f1b",
                 self.virtual_stages
@@ -301,7 +317,7 @@ impl TrainConfig {
             head: 0.0,
         };
         plan_stages(m.n_layer, stages, &self.split, &costs)?;
-        if self.schedule == "interleaved" && !self.microbatches.is_multiple_of(self.pp) {
+        if self.schedule.is_interleaved() && !self.microbatches.is_multiple_of(self.pp) {
             return Err(self.interleaved_advice());
         }
         if stages.saturating_mul(self.microbatches) > MAX_SCHEDULE_PAIRS {
@@ -529,6 +545,10 @@ fn human_bytes(n: u128) -> String {
 mod tests {
     use super::*;
 
+    fn sched(text: &str) -> ScheduleChoice {
+        text.parse().unwrap()
+    }
+
     fn err(f: impl FnOnce(&mut TrainConfig)) -> String {
         let mut c = TrainConfig::default();
         f(&mut c);
@@ -546,17 +566,24 @@ mod tests {
         assert!(err(|c| c.pp = 8).contains("8 stages but the model has only 4 layers"));
         assert!(err(|c| c.batch = 10).contains("does not split into --dp 1 × --microbatches 4"));
         assert!(err(|c| {
-            c.schedule = "interleaved".into();
+            c.schedule = sched("interleaved");
             c.virtual_stages = 2;
             c.microbatches = 3;
             c.batch = 12;
         })
         .contains("multiple of 2"));
         assert!(err(|c| c.virtual_stages = 2).contains("only applies to the interleaved"));
-        assert!(err(|c| c.schedule = "interleaved".into()).contains("needs --virtual-stages 2"));
+        assert!(err(|c| c.schedule = sched("interleaved")).contains("needs --virtual-stages 2"));
         assert!(err(|c| c.seq_len = 65).contains("block size 64"));
         assert!(err(|c| c.split = SplitSpec::Counts(vec![3, 3])).contains("asks for 6 layers"));
-        assert!(err(|c| c.schedule = "pipedream".into()).contains("pipedream"));
+        // An unknown name is refused where the text is read (flag, file or manifest).
+        let e = "pipedream"
+            .parse::<ScheduleChoice>()
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("unknown schedule \"pipedream\""), "{e}");
+        let e = serde_json::from_str::<TrainConfig>(r#"{"schedule": "pipedream"}"#).unwrap_err();
+        assert!(e.to_string().contains("unknown schedule"), "{e}");
     }
 
     #[test]
@@ -575,7 +602,7 @@ mod tests {
             "{e}"
         );
         let e = err(|c| {
-            c.schedule = "interleaved".into();
+            c.schedule = sched("interleaved");
             c.virtual_stages = usize::MAX;
         });
         assert!(
@@ -771,7 +798,7 @@ mod tests {
     #[test]
     fn interleaving_advice_is_accepted_as_given() {
         let base = |c: &mut TrainConfig| {
-            c.schedule = "interleaved".into();
+            c.schedule = sched("interleaved");
             c.virtual_stages = 2;
             c.microbatches = 3;
             c.batch = 12;
@@ -788,7 +815,7 @@ mod tests {
         c.validate().unwrap();
         let mut c = TrainConfig::default();
         base(&mut c);
-        c.schedule = "1f1b".into();
+        c.schedule = sched("1f1b");
         c.virtual_stages = 1;
         c.validate().unwrap();
         // When the batch does not split into the suggested count, the advice says so.
@@ -804,9 +831,70 @@ mod tests {
     }
 
     #[test]
-    fn schedule_files_must_end_in_csv() {
-        let e = err(|c| c.schedule = "my-schedule.txt".into());
-        assert!(e.contains("--schedule my-schedule.txt: not a schedule name, and a schedule file must end in .csv"), "{e}");
+    fn a_schedule_file_that_cannot_be_read_says_what_the_flag_takes() {
+        let e = err(|c| c.schedule = sched("my-schedule.txt"));
+        assert!(
+            e.starts_with("--schedule my-schedule.txt: cannot read the schedule file: "),
+            "{e}"
+        );
+        assert!(
+            e.contains("gpipe, 1f1b, interleaved, zb-h1 or the path of a CSV"),
+            "{e}"
+        );
+        // Any extension: the content is what is read as CSV.
+        let dir = std::env::temp_dir().join(format!("switchyard-ext-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("1f1b");
+        std::fs::write(&path, "0,0F0,0B0\n1,1F0,1B0\n").unwrap();
+        let mut c = TrainConfig {
+            schedule: ScheduleChoice::File(path.clone()),
+            microbatches: 1,
+            batch: 4,
+            ..TrainConfig::default()
+        };
+        c.validate().unwrap();
+        assert_eq!(c.program().unwrap().num_microbatches, 1);
+        std::fs::write(&path, "not a schedule\n").unwrap();
+        let e = c.validate().unwrap_err();
+        assert!(e.contains("the first column must be the rank index"), "{e}");
+        c.schedule = sched("1f1b");
+        c.validate().unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn interleaved_takes_its_chunks_from_virtual_stages() {
+        let base = |c: &mut TrainConfig| {
+            c.virtual_stages = 2;
+            c.model.n_layer = 6;
+        };
+        for (text, v, ok) in [
+            ("interleaved", 2, true),
+            ("interleaved", 3, true),
+            ("interleaved:3", 3, true),
+            ("INTERLEAVED", 3, true),
+            ("interleaved:3", 2, false),
+        ] {
+            let mut c = TrainConfig::default();
+            base(&mut c);
+            c.schedule = sched(text);
+            c.virtual_stages = v;
+            match c.validate() {
+                Ok(()) => {
+                    assert!(ok, "{text} v {v}");
+                    assert_eq!(c.program().unwrap().num_stages as usize, 2 * v);
+                }
+                Err(e) => {
+                    assert!(!ok, "{text} v {v}: {e}");
+                    assert!(
+                        e.contains("--schedule interleaved:3 asks for 3 virtual stages but --virtual-stages is 2"),
+                        "{e}"
+                    );
+                }
+            }
+        }
+        let e = err(|c| c.schedule = sched("interleaved:3"));
+        assert!(e.contains("asks for 3 virtual stages"), "{e}");
     }
 
     #[test]
@@ -817,7 +905,7 @@ mod tests {
         let path = dir.join("three.csv");
         std::fs::write(&path, "0,0F0,2F0,2B0,0B0\n1,1F0,1B0\n").unwrap();
         let e = err(|c| {
-            c.schedule = path.display().to_string();
+            c.schedule = ScheduleChoice::File(path.clone());
             c.microbatches = 1;
             c.model.n_layer = 4;
         });
@@ -830,7 +918,7 @@ mod tests {
         let path = dir.join("four.csv");
         std::fs::write(&path, interleaved_csv()).unwrap();
         let set = |c: &mut TrainConfig| {
-            c.schedule = path.display().to_string();
+            c.schedule = ScheduleChoice::File(path.clone());
             c.microbatches = 2;
             c.batch = 4;
         };

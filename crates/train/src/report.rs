@@ -294,7 +294,7 @@ fn gather_events(worker: &Worker, steps: &[StepMetrics]) -> anyhow::Result<Vec<[
     let mut rows: Vec<f64> = Vec::new();
     for s in steps {
         for e in &s.exec.events {
-            let a: Action = e.action.parse()?;
+            let a = e.action;
             rows.extend([
                 me,
                 s.step as f64,

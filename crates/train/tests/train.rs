@@ -84,6 +84,24 @@ fn metrics_and_trace_are_written() {
         assert!(events.iter().any(|e| e["ph"] == "X" && e["tid"] == tid));
         assert!(events.iter().any(|e| e["ph"] == "M" && e["tid"] == tid));
     }
+    // A slice is named by its action's text (`1F3`) and its category is the op: rank 0's
+    // first step is its program's list.
+    let first: Vec<(&str, &str)> = events
+        .iter()
+        .filter(|e| e["ph"] == "X" && e["tid"] == 0 && e["args"]["step"] == 0)
+        .map(|e| (e["name"].as_str().unwrap(), e["cat"].as_str().unwrap()))
+        .collect();
+    let listed: Vec<(String, &str)> = program.ranks[0]
+        .iter()
+        .map(|a| (a.to_string(), a.op.code()))
+        .collect();
+    assert_eq!(
+        first,
+        listed
+            .iter()
+            .map(|(n, c)| (n.as_str(), *c))
+            .collect::<Vec<_>>()
+    );
 }
 
 #[test]

@@ -24,7 +24,7 @@ pub fn tiny(dp: usize, pp: usize, tp: usize, schedule: &str) -> TrainConfig {
     c.dp = dp;
     c.pp = pp;
     c.tp = tp;
-    c.schedule = schedule.into();
+    c.schedule = schedule.parse().expect("a schedule");
     c.virtual_stages = if schedule == "interleaved" { 2 } else { 1 };
     c.microbatches = 4;
     c.batch = 4 * dp;
