@@ -2,6 +2,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::ModelError;
+
 /// A GPT-2 style model. The vocabulary is bytes (256) unless a config says otherwise.
 /// In a config file every field is optional (the rest come from [`GptConfig::default`])
 /// and unknown fields are refused.
@@ -46,7 +48,7 @@ impl GptConfig {
     }
 
     /// Refuses a config that cannot build a model.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), ModelError> {
         let GptConfig {
             vocab_size,
             block_size,
@@ -56,19 +58,21 @@ impl GptConfig {
             ..
         } = *self;
         if vocab_size == 0 || block_size == 0 || n_layer == 0 || n_head == 0 || d_model == 0 {
-            return Err(format!("every model dimension must be positive: {self:?}"));
+            return Err(ModelError::Config(format!(
+                "every model dimension must be positive: {self:?}"
+            )));
         }
         if self.checked_param_count().is_none() {
-            return Err(format!(
+            return Err(ModelError::Config(format!(
                 "the model is too large: its parameter count (d_model {d_model}, {n_layer} layers, \
                  vocabulary {vocab_size}, block size {block_size}) overflows a {}-bit count",
                 usize::BITS
-            ));
+            )));
         }
         if d_model % n_head != 0 {
-            return Err(format!(
+            return Err(ModelError::Config(format!(
                 "d_model {d_model} does not divide into {n_head} heads; choose d_model a multiple of the heads"
-            ));
+            )));
         }
         Ok(())
     }
@@ -149,16 +153,18 @@ impl GptConfig {
     pub fn infer(
         shapes: &std::collections::HashMap<String, Vec<usize>>,
         n_head: usize,
-    ) -> Result<GptConfig, String> {
+    ) -> Result<GptConfig, ModelError> {
         let get = |n: &str| {
             shapes
                 .get(n)
-                .ok_or_else(|| format!("the weights have no {n}"))
+                .ok_or_else(|| ModelError::Weights(format!("the weights have no {n}")))
         };
         let wte = get("transformer.wte.weight")?;
         let wpe = get("transformer.wpe.weight")?;
         if wte.len() != 2 || wpe.len() != 2 {
-            return Err(format!("unexpected embedding shapes {wte:?} and {wpe:?}"));
+            return Err(ModelError::Weights(format!(
+                "unexpected embedding shapes {wte:?} and {wpe:?}"
+            )));
         }
         let n_layer = (0..)
             .take_while(|i| shapes.contains_key(&format!("transformer.h.{i}.ln_1.weight")))
@@ -220,10 +226,14 @@ mod tests {
         c.n_head = 1;
         assert_eq!(c.checked_param_count(), None);
         assert_eq!(c.param_count(), usize::MAX);
-        assert!(c.validate().unwrap_err().contains("the model is too large"));
+        assert!(c
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("the model is too large"));
         let mut c = GptConfig::tiny(2);
         c.n_layer = usize::MAX / 2;
-        assert!(c.validate().unwrap_err().contains("overflows"));
+        assert!(c.validate().unwrap_err().to_string().contains("overflows"));
     }
 
     #[test]
@@ -233,6 +243,7 @@ mod tests {
         assert!(c
             .validate()
             .unwrap_err()
+            .to_string()
             .contains("does not divide into 5 heads"));
     }
 }

@@ -16,7 +16,7 @@ use switchyard_shard::{
     ParallelSelfAttention, ParamStore, ShardSpec, TpGroup, VocabParallelEmbedding,
 };
 
-use crate::{GptConfig, StagePlan};
+use crate::{GptConfig, ModelError, StagePlan};
 
 /// LayerNorm epsilon, as GPT-2.
 pub const LN_EPS: f64 = 1e-5;
@@ -100,7 +100,7 @@ impl GptStage {
         store: &ParamStore,
         tp: TpGroup,
     ) -> Result<GptStage> {
-        cfg.validate().map_err(candle_core::Error::Msg)?;
+        cfg.validate()?;
         let vb = store.builder();
         let first_param = store.len();
         let d = cfg.d_model;
@@ -224,11 +224,12 @@ impl Module for GptStage {
         let mut h = match &self.embed {
             Some(e) => {
                 if x.dtype() != DType::U32 || x.rank() != 2 {
-                    candle_core::bail!(
+                    return Err(ModelError::Input(format!(
                         "the first GPT stage takes token ids [B, T] as u32, got {:?} {:?}",
                         x.dims(),
                         x.dtype()
-                    );
+                    ))
+                    .into());
                 }
                 let t = x.dim(1)?;
                 let tok = e.wte.forward(x)?;

@@ -40,6 +40,7 @@
 //!   model of your own as pipeline stages, with a parallel plan like [`plan::GPT_TP_PLAN`].
 
 mod config;
+mod error;
 mod gpt;
 mod mlp;
 pub mod plan;
@@ -47,6 +48,7 @@ mod reference;
 pub mod split;
 
 pub use config::GptConfig;
+pub use error::ModelError;
 pub use gpt::{GptStage, INIT_STD, LN_EPS};
 pub use mlp::{MlpConfig, MlpStage};
 pub use reference::ReferenceGpt;

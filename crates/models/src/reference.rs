@@ -10,7 +10,7 @@ use std::collections::HashMap;
 
 use candle_core::{DType, Device, Result, Tensor, Var, D};
 
-use crate::GptConfig;
+use crate::{GptConfig, ModelError};
 
 /// The reference GPT over full (unsharded) parameters, by nanoGPT name.
 pub struct ReferenceGpt {
@@ -61,7 +61,11 @@ impl ReferenceGpt {
     fn p(&self, name: &str) -> Result<&Tensor> {
         match self.params.get(name) {
             Some(v) => Ok(v.as_tensor()),
-            None => candle_core::bail!("reference GPT: missing parameter {name}"),
+            None => Err(ModelError::MissingParam {
+                model: "reference GPT",
+                name: name.to_string(),
+            }
+            .into()),
         }
     }
 

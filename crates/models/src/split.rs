@@ -13,6 +13,8 @@ use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
+use crate::ModelError;
+
 /// What one pipeline stage of a layered model runs.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct StagePlan {
@@ -53,19 +55,17 @@ impl fmt::Display for SplitSpec {
 }
 
 impl FromStr for SplitSpec {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
+    type Err = ModelError;
+    fn from_str(s: &str) -> Result<Self, ModelError> {
         match s.trim() {
             "even" => Ok(SplitSpec::Even),
             "balanced" => Ok(SplitSpec::Balanced),
             other => other
                 .split(',')
                 .map(|c| {
-                    c.trim().parse::<usize>().map_err(|_| {
-                        format!(
-                            "bad split {s:?}: use `even`, `balanced` or layer counts such as `3,2`"
-                        )
-                    })
+                    c.trim()
+                        .parse::<usize>()
+                        .map_err(|_| ModelError::BadSplit(s.to_string()))
                 })
                 .collect::<Result<Vec<_>, _>>()
                 .map(SplitSpec::Counts),
@@ -74,8 +74,8 @@ impl FromStr for SplitSpec {
 }
 
 impl TryFrom<String> for SplitSpec {
-    type Error = String;
-    fn try_from(s: String) -> Result<Self, String> {
+    type Error = ModelError;
+    fn try_from(s: String) -> Result<Self, ModelError> {
         s.parse()
     }
 }
@@ -100,16 +100,15 @@ pub fn plan_stages(
     num_stages: usize,
     spec: &SplitSpec,
     costs: &LayerCosts,
-) -> Result<Vec<StagePlan>, String> {
+) -> Result<Vec<StagePlan>, ModelError> {
     if num_stages == 0 {
-        return Err("a pipeline needs at least one stage".into());
+        return Err(ModelError::NoStages);
     }
     if num_stages > n_layer {
-        return Err(format!(
-            "the pipeline has {num_stages} stages but the model has only {n_layer} layers: \
-             every stage needs at least one layer, so use at most {n_layer} stages \
-             (pipeline ranks × virtual stages) or more layers"
-        ));
+        return Err(ModelError::TooManyStages {
+            stages: num_stages,
+            layers: n_layer,
+        });
     }
     let counts = match spec {
         SplitSpec::Even => (0..num_stages)
@@ -136,37 +135,37 @@ pub fn plan_stages(
         .collect())
 }
 
-fn check_counts(counts: &[usize], n_layer: usize, num_stages: usize) -> Result<(), String> {
+fn check_counts(counts: &[usize], n_layer: usize, num_stages: usize) -> Result<(), ModelError> {
     if counts.len() != num_stages {
-        return Err(format!(
+        return Err(ModelError::Split(format!(
             "the split {} gives {} stages but the pipeline has {num_stages}",
             SplitSpec::Counts(counts.to_vec()),
             counts.len()
-        ));
+        )));
     }
     if let Some(s) = counts.iter().position(|&c| c == 0) {
-        return Err(format!(
+        return Err(ModelError::Split(format!(
             "the split {} leaves stage {s} without layers; every stage needs at least one",
             SplitSpec::Counts(counts.to_vec())
-        ));
+        )));
     }
     let Some(total) = counts.iter().try_fold(0usize, |t, &c| t.checked_add(c)) else {
-        return Err(format!(
+        return Err(ModelError::Split(format!(
             "the split {} asks for more layers than the model's {n_layer}",
             SplitSpec::Counts(counts.to_vec())
-        ));
+        )));
     };
     if total < n_layer {
-        return Err(format!(
+        return Err(ModelError::Split(format!(
             "the split {} covers {total} layers but the model has {n_layer}: layers {total}..{n_layer} would be dropped",
             SplitSpec::Counts(counts.to_vec())
-        ));
+        )));
     }
     if total > n_layer {
-        return Err(format!(
+        return Err(ModelError::Split(format!(
             "the split {} asks for {total} layers but the model has only {n_layer}",
             SplitSpec::Counts(counts.to_vec())
-        ));
+        )));
     }
     Ok(())
 }
@@ -255,20 +254,28 @@ mod tests {
     #[test]
     fn a_split_that_drops_or_duplicates_layers_is_refused() {
         // Megatron-LM #1304: 30 layers on 4 stages silently built 28.
-        let e = plan_stages(30, 4, &"7,7,7,7".parse().unwrap(), &FLAT).unwrap_err();
+        let e = plan_stages(30, 4, &"7,7,7,7".parse().unwrap(), &FLAT)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("layers 28..30 would be dropped"), "{e}");
-        let e = plan_stages(5, 2, &"3,3".parse().unwrap(), &FLAT).unwrap_err();
+        let e = plan_stages(5, 2, &"3,3".parse().unwrap(), &FLAT)
+            .unwrap_err()
+            .to_string();
         assert!(
             e.contains("asks for 6 layers but the model has only 5"),
             "{e}"
         );
-        let e = plan_stages(5, 2, &"5,0".parse().unwrap(), &FLAT).unwrap_err();
+        let e = plan_stages(5, 2, &"5,0".parse().unwrap(), &FLAT)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("leaves stage 1 without layers"), "{e}");
-        let e = plan_stages(5, 3, &"3,2".parse().unwrap(), &FLAT).unwrap_err();
+        let e = plan_stages(5, 3, &"3,2".parse().unwrap(), &FLAT)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("gives 2 stages but the pipeline has 3"), "{e}");
         // Counts whose sum overflows are refused, not added up.
         let split = "18446744073709551615,1".parse().unwrap();
-        let e = plan_stages(5, 2, &split, &FLAT).unwrap_err();
+        let e = plan_stages(5, 2, &split, &FLAT).unwrap_err().to_string();
         assert!(
             e.contains("the split 18446744073709551615,1 asks for more layers than the model's 5"),
             "{e}"
@@ -277,7 +284,9 @@ mod tests {
 
     #[test]
     fn more_stages_than_layers_is_refused() {
-        let e = plan_stages(3, 4, &SplitSpec::Even, &FLAT).unwrap_err();
+        let e = plan_stages(3, 4, &SplitSpec::Even, &FLAT)
+            .unwrap_err()
+            .to_string();
         assert!(
             e.contains("4 stages but the model has only 3 layers"),
             "{e}"

@@ -226,7 +226,7 @@ impl TrainConfig {
     /// reaches the schedule generator or an allocation.
     pub fn validate(&self) -> Result<(), String> {
         let m = &self.model;
-        m.validate()?;
+        m.validate().map_err(|e| e.to_string())?;
         self.mesh().validate()?;
         let world = self
             .dp
@@ -316,7 +316,7 @@ impl TrainConfig {
             block: 1.0,
             head: 0.0,
         };
-        plan_stages(m.n_layer, stages, &self.split, &costs)?;
+        plan_stages(m.n_layer, stages, &self.split, &costs).map_err(|e| e.to_string())?;
         if self.schedule.is_interleaved() && !self.microbatches.is_multiple_of(self.pp) {
             return Err(self.interleaved_advice());
         }

@@ -201,8 +201,7 @@ impl Weights {
             block: 1.0,
             head: 0.0,
         };
-        let plan = plan_stages(self.config.n_layer, 1, &SplitSpec::Even, &flat)
-            .map_err(anyhow::Error::msg)?;
+        let plan = plan_stages(self.config.n_layer, 1, &SplitSpec::Even, &flat)?;
         let store = ParamStore::new(DType::F32, 0, 1, ParamSource::Full(self.tensors.clone()))?;
         Ok(GptStage::new(
             &self.config,

@@ -118,8 +118,7 @@ impl<'a> Worker<'a> {
             cfg.num_stages(),
             &cfg.split,
             &gpt_layer_costs(&cfg.model, cfg.seq_len),
-        )
-        .map_err(anyhow::Error::msg)?;
+        )?;
         let store = ParamStore::for_group(&*mesh.tp, DType::F32, source)?;
         let mut stages = Vec::new();
         for s in pipe.stages_of_rank(mesh.coord.pp as u32) {
