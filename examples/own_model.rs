@@ -206,14 +206,9 @@ struct RankRun {
 fn pipelined_run(program: &Program) -> anyhow::Result<Vec<RankRun>> {
     let shape = MeshShape::new(1, program.num_ranks(), 2);
     let plans = plan_stages(
-        LAYERS,
+        &LayerCosts::uniform(LAYERS, 0.0, 1.0, 0.0),
         program.num_stages as usize,
         &SplitSpec::Even,
-        &LayerCosts {
-            embed: 0.0,
-            block: 1.0,
-            head: 0.0,
-        },
     )
     .map_err(|e| anyhow!(e))?;
     local::launch(shape.world_size(), |world| -> anyhow::Result<RankRun> {

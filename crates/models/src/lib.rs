@@ -22,7 +22,8 @@
 //! use switchyard_shard::{single_device, ParamSource, ParamStore};
 //!
 //! let cfg = GptConfig::tiny(2);
-//! let plans = plan_stages(cfg.n_layer, 1, &SplitSpec::Even, &LayerCosts { embed: 0.0, block: 1.0, head: 0.0 }).unwrap();
+//! let costs = LayerCosts::uniform(cfg.n_layer, 0.0, 1.0, 0.0);
+//! let plans = plan_stages(&costs, 1, &SplitSpec::Even).unwrap();
 //! let store = ParamStore::new(DType::F32, 0, 1, ParamSource::Init { seed: 7 }).unwrap();
 //! let gpt = GptStage::new(&cfg, &plans[0], &store, single_device()).unwrap();
 //! let ids = Tensor::new(&[[1u32, 2, 3]], &Device::Cpu).unwrap();
@@ -55,12 +56,14 @@ pub use reference::ReferenceGpt;
 pub use split::{plan_stages, LayerCosts, SplitSpec, StagePlan};
 
 /// The per-token costs of the GPT's parts, for [`SplitSpec::Balanced`]: training FLOPs
-/// of a block, of the embeddings (a lookup, nearly free) and of the head and loss.
+/// of each block (all alike), of the embeddings (a lookup, nearly free) and of the head
+/// and loss.
 pub fn gpt_layer_costs(cfg: &GptConfig, seq_len: usize) -> LayerCosts {
     let d = cfg.d_model as f64;
-    LayerCosts {
-        embed: 6.0 * d,
-        block: 6.0 * 12.0 * d * d + 12.0 * seq_len as f64 * d,
-        head: 6.0 * cfg.vocab_size as f64 * d + 10.0 * cfg.vocab_size as f64,
-    }
+    LayerCosts::uniform(
+        cfg.n_layer,
+        6.0 * d,
+        6.0 * 12.0 * d * d + 12.0 * seq_len as f64 * d,
+        6.0 * cfg.vocab_size as f64 * d + 10.0 * cfg.vocab_size as f64,
+    )
 }

@@ -86,21 +86,36 @@ impl From<SplitSpec> for String {
     }
 }
 
-/// Relative costs used by [`SplitSpec::Balanced`] (any unit, e.g. FLOPs per token).
-#[derive(Debug, Clone, Copy, PartialEq)]
+/// Relative costs used by [`SplitSpec::Balanced`], per layer: training FLOPs per token
+/// (any unit works as long as all parts use the same one).
+#[derive(Debug, Clone, PartialEq)]
 pub struct LayerCosts {
+    /// The embeddings (run by the first stage).
     pub embed: f64,
-    pub block: f64,
+    /// Each layer a split divides among the stages, in order.
+    pub blocks: Vec<f64>,
+    /// The final norm, head and loss (run by the last stage).
     pub head: f64,
 }
 
-/// Splits `n_layer` blocks over `num_stages` stages.
+impl LayerCosts {
+    /// `n` layers of cost `block` each, embeddings `embed`, head `head`.
+    pub fn uniform(n: usize, embed: f64, block: f64, head: f64) -> LayerCosts {
+        LayerCosts {
+            embed,
+            blocks: vec![block; n],
+            head,
+        }
+    }
+}
+
+/// Splits the `costs.blocks.len()` layers over `num_stages` stages.
 pub fn plan_stages(
-    n_layer: usize,
+    costs: &LayerCosts,
     num_stages: usize,
     spec: &SplitSpec,
-    costs: &LayerCosts,
 ) -> Result<Vec<StagePlan>, ModelError> {
+    let n_layer = costs.blocks.len();
     if num_stages == 0 {
         return Err(ModelError::NoStages);
     }
@@ -114,7 +129,7 @@ pub fn plan_stages(
         SplitSpec::Even => (0..num_stages)
             .map(|s| n_layer / num_stages + usize::from(s < n_layer % num_stages))
             .collect(),
-        SplitSpec::Balanced => balanced(n_layer, num_stages, costs),
+        SplitSpec::Balanced => balanced(num_stages, costs),
         SplitSpec::Counts(c) => c.clone(),
     };
     check_counts(&counts, n_layer, num_stages)?;
@@ -172,9 +187,17 @@ fn check_counts(counts: &[usize], n_layer: usize, num_stages: usize) -> Result<(
 
 /// Contiguous counts minimising the most expensive stage (the embeddings count on the
 /// first stage, the head on the last); ties prefer fewer layers on earlier stages.
-fn balanced(n: usize, s: usize, c: &LayerCosts) -> Vec<usize> {
+fn balanced(s: usize, c: &LayerCosts) -> Vec<usize> {
+    let n = c.blocks.len();
+    // prefix[i]: the cost of blocks 0..i.
+    let prefix: Vec<f64> = std::iter::once(0.0)
+        .chain(c.blocks.iter().scan(0.0, |t, &b| {
+            *t += b;
+            Some(*t)
+        }))
+        .collect();
     let cost = |stage: usize, from: usize, to: usize| {
-        let mut x = (to - from) as f64 * c.block;
+        let mut x = prefix[to] - prefix[from];
         if stage == 0 {
             x += c.embed;
         }
@@ -213,11 +236,9 @@ fn balanced(n: usize, s: usize, c: &LayerCosts) -> Vec<usize> {
 mod tests {
     use super::*;
 
-    const FLAT: LayerCosts = LayerCosts {
-        embed: 0.0,
-        block: 1.0,
-        head: 0.0,
-    };
+    fn flat(n: usize) -> LayerCosts {
+        LayerCosts::uniform(n, 0.0, 1.0, 0.0)
+    }
 
     fn counts(p: &[StagePlan]) -> Vec<usize> {
         p.iter().map(|s| s.blocks.len()).collect()
@@ -227,7 +248,7 @@ mod tests {
     fn even_split_covers_every_layer_once() {
         for n in 1..=12 {
             for s in 1..=n {
-                let p = plan_stages(n, s, &SplitSpec::Even, &FLAT).unwrap();
+                let p = plan_stages(&flat(n), s, &SplitSpec::Even).unwrap();
                 assert_eq!(p.len(), s);
                 assert_eq!(p[0].blocks.start, 0);
                 assert_eq!(p[s - 1].blocks.end, n);
@@ -239,14 +260,14 @@ mod tests {
             }
         }
         assert_eq!(
-            counts(&plan_stages(5, 2, &SplitSpec::Even, &FLAT).unwrap()),
+            counts(&plan_stages(&flat(5), 2, &SplitSpec::Even).unwrap()),
             [3, 2]
         );
     }
 
     #[test]
     fn explicit_uneven_counts_are_honoured() {
-        let p = plan_stages(5, 2, &"1,4".parse().unwrap(), &FLAT).unwrap();
+        let p = plan_stages(&flat(5), 2, &"1,4".parse().unwrap()).unwrap();
         assert_eq!(p[0].blocks, 0..1);
         assert_eq!(p[1].blocks, 1..5);
     }
@@ -254,28 +275,28 @@ mod tests {
     #[test]
     fn a_split_that_drops_or_duplicates_layers_is_refused() {
         // Megatron-LM #1304: 30 layers on 4 stages silently built 28.
-        let e = plan_stages(30, 4, &"7,7,7,7".parse().unwrap(), &FLAT)
+        let e = plan_stages(&flat(30), 4, &"7,7,7,7".parse().unwrap())
             .unwrap_err()
             .to_string();
         assert!(e.contains("layers 28..30 would be dropped"), "{e}");
-        let e = plan_stages(5, 2, &"3,3".parse().unwrap(), &FLAT)
+        let e = plan_stages(&flat(5), 2, &"3,3".parse().unwrap())
             .unwrap_err()
             .to_string();
         assert!(
             e.contains("asks for 6 layers but the model has only 5"),
             "{e}"
         );
-        let e = plan_stages(5, 2, &"5,0".parse().unwrap(), &FLAT)
+        let e = plan_stages(&flat(5), 2, &"5,0".parse().unwrap())
             .unwrap_err()
             .to_string();
         assert!(e.contains("leaves stage 1 without layers"), "{e}");
-        let e = plan_stages(5, 3, &"3,2".parse().unwrap(), &FLAT)
+        let e = plan_stages(&flat(5), 3, &"3,2".parse().unwrap())
             .unwrap_err()
             .to_string();
         assert!(e.contains("gives 2 stages but the pipeline has 3"), "{e}");
         // Counts whose sum overflows are refused, not added up.
         let split = "18446744073709551615,1".parse().unwrap();
-        let e = plan_stages(5, 2, &split, &FLAT).unwrap_err().to_string();
+        let e = plan_stages(&flat(5), 2, &split).unwrap_err().to_string();
         assert!(
             e.contains("the split 18446744073709551615,1 asks for more layers than the model's 5"),
             "{e}"
@@ -284,7 +305,7 @@ mod tests {
 
     #[test]
     fn more_stages_than_layers_is_refused() {
-        let e = plan_stages(3, 4, &SplitSpec::Even, &FLAT)
+        let e = plan_stages(&flat(3), 4, &SplitSpec::Even)
             .unwrap_err()
             .to_string();
         assert!(
@@ -295,15 +316,37 @@ mod tests {
 
     #[test]
     fn balanced_split_moves_layers_off_expensive_ends() {
-        let c = LayerCosts {
-            embed: 0.5,
-            block: 1.0,
-            head: 2.0,
-        };
-        let p = plan_stages(8, 2, &SplitSpec::Balanced, &c).unwrap();
+        let c = LayerCosts::uniform(8, 0.5, 1.0, 2.0);
+        let p = plan_stages(&c, 2, &SplitSpec::Balanced).unwrap();
         // Stage costs: 0.5 + 5 = 5.5 and 3 + 2 = 5.
         assert_eq!(counts(&p), [5, 3]);
-        let p = plan_stages(6, 3, &SplitSpec::Balanced, &FLAT).unwrap();
+        let p = plan_stages(&flat(6), 3, &SplitSpec::Balanced).unwrap();
+        assert_eq!(counts(&p), [2, 2, 2]);
+    }
+
+    #[test]
+    fn balanced_split_follows_per_layer_costs() {
+        // An expensive first layer: the even split [4, 3] would cost 7 against 3;
+        // balancing gives 5 and 5.
+        let c = LayerCosts {
+            embed: 0.0,
+            blocks: vec![4.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0],
+            head: 0.0,
+        };
+        let p = plan_stages(&c, 2, &SplitSpec::Balanced).unwrap();
+        assert_eq!(counts(&p), [2, 5]);
+        assert_eq!(p[1].blocks, 2..7);
+        // Rising costs: later stages get fewer layers.
+        let c = LayerCosts {
+            embed: 0.0,
+            blocks: vec![1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0],
+            head: 0.0,
+        };
+        let p = plan_stages(&c, 3, &SplitSpec::Balanced).unwrap();
+        // Stage costs 6, 6 and 4: no cut keeps every stage below 6.
+        assert_eq!(counts(&p), [5, 2, 1]);
+        // Uniform costs give the same split as before.
+        let p = plan_stages(&flat(6), 3, &SplitSpec::Balanced).unwrap();
         assert_eq!(counts(&p), [2, 2, 2]);
     }
 

@@ -15,7 +15,7 @@ fn names_of_stage(
     split: &SplitSpec,
     s: usize,
 ) -> Vec<(String, Vec<usize>)> {
-    let plans = plan_stages(cfg.n_layer, stages, split, &gpt_layer_costs(cfg, 16)).unwrap();
+    let plans = plan_stages(&gpt_layer_costs(cfg, 16), stages, split).unwrap();
     let store = ParamStore::new(DType::F32, 0, 1, ParamSource::Init { seed: 1 }).unwrap();
     GptStage::new(cfg, &plans[s], &store, switchyard_shard::single_device()).unwrap();
     store
@@ -37,8 +37,7 @@ fn every_parameter_follows_the_declared_tensor_parallel_plan() {
 fn follows_the_plan(cfg: &GptConfig, tp: usize) {
     let cfg = cfg.clone();
     let specs = local::launch(tp, |tp| {
-        let plans =
-            plan_stages(cfg.n_layer, 1, &SplitSpec::Even, &gpt_layer_costs(&cfg, 16)).unwrap();
+        let plans = plan_stages(&gpt_layer_costs(&cfg, 16), 1, &SplitSpec::Even).unwrap();
         let store = ParamStore::for_group(&*tp, DType::F32, ParamSource::Init { seed: 1 })?;
         GptStage::new(&cfg, &plans[0], &store, tp.clone())?;
         Ok::<_, candle_core::Error>(

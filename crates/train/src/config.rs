@@ -311,12 +311,8 @@ impl TrainConfig {
             )
         })?;
         // Every stage needs a layer: check it before any schedule is generated.
-        let costs = LayerCosts {
-            embed: 0.0,
-            block: 1.0,
-            head: 0.0,
-        };
-        plan_stages(m.n_layer, stages, &self.split, &costs).map_err(|e| e.to_string())?;
+        let costs = LayerCosts::uniform(m.n_layer, 0.0, 1.0, 0.0);
+        plan_stages(&costs, stages, &self.split).map_err(|e| e.to_string())?;
         if self.schedule.is_interleaved() && !self.microbatches.is_multiple_of(self.pp) {
             return Err(self.interleaved_advice());
         }

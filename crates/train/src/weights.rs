@@ -196,12 +196,8 @@ impl Weights {
 
     /// The whole model on this thread (no parallelism).
     pub fn model(&self) -> Result<GptStage> {
-        let flat = LayerCosts {
-            embed: 0.0,
-            block: 1.0,
-            head: 0.0,
-        };
-        let plan = plan_stages(self.config.n_layer, 1, &SplitSpec::Even, &flat)?;
+        let flat = LayerCosts::uniform(self.config.n_layer, 0.0, 1.0, 0.0);
+        let plan = plan_stages(&flat, 1, &SplitSpec::Even)?;
         let store = ParamStore::new(DType::F32, 0, 1, ParamSource::Full(self.tensors.clone()))?;
         Ok(GptStage::new(
             &self.config,

@@ -114,10 +114,9 @@ impl<'a> Worker<'a> {
         let program = CheckedProgram::new(&cfg.program().map_err(anyhow::Error::msg)?)?;
         let pipe = program.program();
         let plans = plan_stages(
-            cfg.model.n_layer,
+            &gpt_layer_costs(&cfg.model, cfg.seq_len),
             cfg.num_stages(),
             &cfg.split,
-            &gpt_layer_costs(&cfg.model, cfg.seq_len),
         )?;
         let store = ParamStore::for_group(&*mesh.tp, DType::F32, source)?;
         let mut stages = Vec::new();

@@ -39,12 +39,8 @@ pub fn tiny(dp: usize, pp: usize, tp: usize, schedule: &str) -> TrainConfig {
 /// The initial full weights of `cfg` by name, as one device holds them.
 pub fn initial_weights(cfg: &TrainConfig) -> HashMap<String, Tensor> {
     let store = ParamStore::new(DType::F32, 0, 1, ParamSource::Init { seed: cfg.seed }).unwrap();
-    let flat = LayerCosts {
-        embed: 0.0,
-        block: 1.0,
-        head: 0.0,
-    };
-    let plan = plan_stages(cfg.model.n_layer, 1, &SplitSpec::Even, &flat).unwrap();
+    let flat = LayerCosts::uniform(cfg.model.n_layer, 0.0, 1.0, 0.0);
+    let plan = plan_stages(&flat, 1, &SplitSpec::Even).unwrap();
     GptStage::new(&cfg.model, &plan[0], &store, single_device()).unwrap();
     store
         .params()
