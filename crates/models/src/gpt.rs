@@ -93,7 +93,9 @@ impl GptStage {
     ///
     /// With tied embeddings, a last stage that does not also hold the embeddings gets
     /// its own copy of `transformer.wte.weight` (same name, same initial values); the
-    /// trainer sums the gradients of the two copies so they stay equal.
+    /// trainer sums the gradients of the two copies so they stay equal. When `store`
+    /// already holds the table (another stage of this rank has the embeddings), the
+    /// head uses that variable ([`switchyard_shard::Builder::shared`]).
     pub fn new(
         cfg: &GptConfig,
         plan: &StagePlan,
@@ -153,15 +155,9 @@ impl GptStage {
                 let lm_head = match (cfg.tied_embeddings, &embed) {
                     (true, Some(e)) => e.wte.tied_lm_head()?,
                     // The table lives on this rank under another stage: share it.
-                    (true, None) => match store.get("transformer.wte.weight") {
-                        Some(p) => ColumnParallelLinear::from_weight(
-                            "lm_head (tied to transformer.wte.weight)",
-                            p.var,
-                            tp.clone(),
-                            false,
-                        )?,
-                        None => wte(&vb)?.tied_lm_head()?,
-                    },
+                    // The table lives on this rank under another stage (shared), or
+                    // this stage gets its own copy.
+                    (true, None) => wte(&vb.shared())?.tied_lm_head()?,
                     (false, _) => ColumnParallelLinear::vocab_head(
                         &vb.pp("lm_head"),
                         tp.clone(),

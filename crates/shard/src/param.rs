@@ -138,6 +138,7 @@ impl ParamStore {
         Builder {
             store: self.clone(),
             prefix: String::new(),
+            shared: false,
         }
     }
 
@@ -226,14 +227,29 @@ impl ParamStore {
         full_shape: &[usize],
         spec: ShardSpec,
         init: Init,
+        shared: bool,
     ) -> Result<Var> {
         let inner = &self.0;
-        if lock(&inner.params).iter().any(|p| p.name == name) {
-            return Err(ShardError::Param {
-                name,
-                reason: "created twice (use the existing Var, e.g. for tied weights)".into(),
+        if let Some(p) = lock(&inner.params).iter().find(|p| p.name == name) {
+            if !shared {
+                return Err(ShardError::Param {
+                    name,
+                    reason: "created twice (use the existing Var, e.g. for tied weights)".into(),
+                }
+                .into());
             }
-            .into());
+            if p.full_shape != full_shape || p.spec != spec {
+                return Err(ShardError::Param {
+                    name,
+                    reason: format!(
+                        "created twice: shared as full shape {full_shape:?} laid out {spec:?}, \
+                         but it exists with full shape {:?} laid out {:?}",
+                        p.full_shape, p.spec
+                    ),
+                }
+                .into());
+            }
+            return Ok(p.var.clone());
         }
         let (rank, n) = (inner.tp_rank, inner.tp_size);
         let local_shape = spec.local_shape_of(&name, full_shape, n)?;
@@ -307,6 +323,9 @@ impl ParamStore {
 pub struct Builder {
     store: ParamStore,
     prefix: String,
+    /// [`Builder::shared`]: an existing parameter of the same name, full shape and spec
+    /// is returned instead of refused.
+    shared: bool,
 }
 
 impl Builder {
@@ -315,6 +334,37 @@ impl Builder {
         Builder {
             store: self.store.clone(),
             prefix: self.path(s.as_ref()),
+            shared: self.shared,
+        }
+    }
+
+    /// A builder (and the builders [`Builder::pp`] derives from it) whose
+    /// [`Builder::param`] returns the existing `Var` when the store already holds a
+    /// parameter of that name with the same full shape and spec, instead of refusing the
+    /// duplicate; `init` is then ignored. This is how one rank shares a parameter between
+    /// two of its stages (a tied embedding and LM head). Another full shape or spec is
+    /// still an error naming the parameter.
+    ///
+    /// ```
+    /// use candle_core::DType;
+    /// use switchyard_shard::{Init, ParamSource, ParamStore, ShardSpec};
+    ///
+    /// # fn main() -> candle_core::Result<()> {
+    /// let store = ParamStore::new(DType::F32, 0, 1, ParamSource::Init { seed: 0 })?;
+    /// let vb = store.builder().pp("wte");
+    /// let a = vb.param("weight", &[8, 4], ShardSpec::Replicated, Init::Ones)?;
+    /// let b = vb.shared().param("weight", &[8, 4], ShardSpec::Replicated, Init::Ones)?;
+    /// assert_eq!(a.id(), b.id());
+    /// assert_eq!(store.len(), 1);
+    /// assert!(vb.param("weight", &[8, 4], ShardSpec::Replicated, Init::Ones).is_err());
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn shared(&self) -> Builder {
+        Builder {
+            store: self.store.clone(),
+            prefix: self.prefix.clone(),
+            shared: true,
         }
     }
 
@@ -335,7 +385,8 @@ impl Builder {
     /// Creates the parameter `<prefix>.<name>` of full shape `full_shape`, laid out by
     /// `spec`, and returns this rank's shard as a `Var`. A duplicate name, a shape that
     /// does not split, a name missing from a [`ParamSource::Full`] map or a full tensor of
-    /// the wrong shape is an error naming the parameter.
+    /// the wrong shape is an error naming the parameter (see [`Builder::shared`] for
+    /// sharing one parameter between layers on purpose).
     pub fn param(
         &self,
         name: &str,
@@ -343,7 +394,8 @@ impl Builder {
         spec: ShardSpec,
         init: Init,
     ) -> Result<Var> {
-        self.store.create(self.path(name), full_shape, spec, init)
+        self.store
+            .create(self.path(name), full_shape, spec, init, self.shared)
     }
 
     /// The store this builder adds to.

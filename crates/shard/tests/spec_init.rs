@@ -419,3 +419,55 @@ fn registry_rules() {
         .to_string();
     assert!(err.contains("floating point"), "{err}");
 }
+
+#[test]
+fn a_shared_builder_returns_the_existing_variable() {
+    let store = ParamStore::new(DType::F32, 1, 2, ParamSource::Init { seed: 0 }).unwrap();
+    let vb = store.builder().pp("wte");
+    let spec = ShardSpec::split(0);
+    let a = vb
+        .param("weight", &[8, 4], spec, Init::Normal { std: 0.02 })
+        .unwrap();
+    // The same name, full shape and spec: the same Var, not a second parameter.
+    let b = vb
+        .shared()
+        .param("weight", &[8, 4], spec, Init::Normal { std: 0.02 })
+        .unwrap();
+    assert_eq!(a.id(), b.id());
+    assert!(equal(a.as_tensor(), b.as_tensor()));
+    assert_eq!(store.len(), 1);
+    // `pp` keeps the sharing; a path from the root reaches the same parameter.
+    let c = store
+        .builder()
+        .shared()
+        .pp("wte")
+        .param("weight", &[8, 4], spec, Init::Ones)
+        .unwrap();
+    assert_eq!(a.id(), c.id());
+    // A name not yet in the store is created as usual.
+    vb.shared()
+        .param("bias", &[8], ShardSpec::Replicated, Init::Zeros)
+        .unwrap();
+    assert_eq!(store.len(), 2);
+    // Another full shape or another spec is refused, naming the parameter.
+    let err = vb
+        .shared()
+        .param("weight", &[8, 2], spec, Init::Ones)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("parameter wte.weight: created twice"), "{err}");
+    assert!(err.contains("[8, 2]") && err.contains("[8, 4]"), "{err}");
+    let err = vb
+        .shared()
+        .param("weight", &[8, 4], ShardSpec::split(1), Init::Ones)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("parameter wte.weight: created twice"), "{err}");
+    assert_eq!(store.len(), 2);
+    // A plain builder still refuses the duplicate.
+    let err = vb
+        .param("weight", &[8, 4], spec, Init::Ones)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("parameter wte.weight: created twice"), "{err}");
+}
