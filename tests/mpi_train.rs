@@ -209,6 +209,31 @@ fn checkpoints_move_between_backends() {
     }
 }
 
+/// The pid of one rank of the job `mpirun` (a child process) runs, once all `np` ranks
+/// have been up for 3 s. Only this job's ranks, the children of its own mpirun: tests
+/// run side by side.
+fn a_training_rank(mpirun: &std::process::Child, np: usize) -> u32 {
+    let start = Instant::now();
+    loop {
+        let out = Command::new("pgrep")
+            .args(["-P", &mpirun.id().to_string()])
+            .output()
+            .unwrap();
+        let pids: Vec<u32> = String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter_map(|l| l.trim().parse().ok())
+            .collect();
+        if pids.len() >= np && start.elapsed() > Duration::from_secs(3) {
+            return pids[pids.len() - 1];
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "the ranks did not start"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
 #[test]
 fn a_rank_that_dies_mid_run_ends_the_job() {
     let d = scratch("dies");
@@ -220,26 +245,7 @@ fn a_rank_that_dies_mid_run_ends_the_job() {
         .spawn()
         .unwrap();
     // Wait until the ranks are training, then kill one of them.
-    let start = Instant::now();
-    let victim = loop {
-        // Only this job's ranks (children of its mpirun): tests run side by side.
-        let out = Command::new("pgrep")
-            .args(["-P", &child.id().to_string()])
-            .output()
-            .unwrap();
-        let pids: Vec<u32> = String::from_utf8_lossy(&out.stdout)
-            .lines()
-            .filter_map(|l| l.trim().parse().ok())
-            .collect();
-        if pids.len() >= 4 && start.elapsed() > Duration::from_secs(3) {
-            break pids[pids.len() - 1];
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(60),
-            "the ranks did not start"
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    };
+    let victim = a_training_rank(&child, 4);
     Command::new("kill")
         .args(["-9", &victim.to_string()])
         .status()
@@ -284,27 +290,9 @@ fn comm_timeout_bounds_the_wait_under_mpi() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    // Wait until the ranks (children of mpirun) are training, then stop one: it stays
-    // alive, so mpirun does not notice; only the others' timeout can end the job.
-    let start = Instant::now();
-    let victim = loop {
-        let out = Command::new("pgrep")
-            .args(["-P", &child.id().to_string()])
-            .output()
-            .unwrap();
-        let pids: Vec<u32> = String::from_utf8_lossy(&out.stdout)
-            .lines()
-            .filter_map(|l| l.trim().parse().ok())
-            .collect();
-        if pids.len() >= 4 && start.elapsed() > Duration::from_secs(3) {
-            break pids[pids.len() - 1];
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(60),
-            "the ranks did not start"
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    };
+    // Wait until the ranks are training, then stop one: it stays alive, so mpirun does
+    // not notice; only the others' timeout can end the job.
+    let victim = a_training_rank(&child, 4);
     Command::new("kill")
         .args(["-STOP", &victim.to_string()])
         .status()
