@@ -30,7 +30,7 @@ fn main() -> anyhow::Result<()> {
             n_layer: 2,
             d_model: 32,
             block_size: 32,
-            ..TrainConfig::default().model
+            ..GptConfig::default()
         },
         seq_len: 32,
         batch: 8, // over all replicas: the same global batch on every layout
@@ -97,7 +97,7 @@ fn main() -> anyhow::Result<()> {
     }
 
     println!("\n== 3. Export, evaluate, start again from the file\n");
-    let weights = Weights::load(&ckpt, cfg.model.n_head)?; // the newest checkpoint, merged
+    let weights = Weights::load(&ckpt, &cfg.model)?; // the newest checkpoint, merged
     let file = out.join("model.safetensors");
     weights.export(&file)?;
     println!(
@@ -111,7 +111,7 @@ fn main() -> anyhow::Result<()> {
             names[0].clone()
         }
     );
-    let from_file = Weights::load(&file, 99)?; // the model's config comes from the file's metadata
+    let from_file = Weights::load(&file, &GptConfig::default())?; // the model's config comes from the file's metadata
     ensure!(
         from_file.config == cfg.model,
         "the export records the model"

@@ -99,7 +99,7 @@ fn main() -> anyhow::Result<()> {
             n_layer: 2,
             d_model: 32,
             block_size: 32,
-            ..TrainConfig::default().model
+            ..GptConfig::default()
         },
         seq_len: 32,
         batch: 8,

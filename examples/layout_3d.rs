@@ -106,7 +106,7 @@ fn main() -> anyhow::Result<()> {
             n_layer: 4,
             d_model: 32,
             block_size: 32,
-            ..TrainConfig::default().model
+            ..GptConfig::default()
         },
         seq_len: 32,
         batch: 8, // sequences per step over all replicas: the same global batch for both

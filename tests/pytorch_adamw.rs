@@ -31,6 +31,7 @@ use std::path::{Path, PathBuf};
 use candle_core::Tensor;
 use common::*;
 use serde_json::Value;
+use switchyard::models::GptConfig;
 use switchyard::train::weights::Weights;
 
 /// The tolerance on each loss and each weight element, absolute (see the module docs).
@@ -48,12 +49,12 @@ fn settings() -> Value {
 
 /// A safetensors export's tensors by name (its checksum and config verified on load).
 fn weights(path: &Path) -> HashMap<String, Tensor> {
-    let w = Weights::load(path, 1).unwrap_or_else(|e| panic!("{}: {e:#}", path.display()));
-    let mut t = w.tensors;
-    if w.config.tied_embeddings {
-        t.insert("lm_head.weight".into(), t["transformer.wte.weight"].clone());
-    }
-    t
+    let hint = GptConfig {
+        n_head: 1,
+        ..GptConfig::default()
+    };
+    let w = Weights::load(path, &hint).unwrap_or_else(|e| panic!("{}: {e:#}", path.display()));
+    w.export_tensors().unwrap().into_iter().collect()
 }
 
 fn values(t: &Tensor) -> Vec<f32> {

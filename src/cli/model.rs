@@ -5,8 +5,10 @@ use std::path::PathBuf;
 
 use anyhow::anyhow;
 use clap::Args;
+use switchyard_models::sample::sample_with;
+use switchyard_models::GptConfig;
 use switchyard_train::data::{self, DataSpec, Dataset, TokenWidth};
-use switchyard_train::weights::{check_destination, evaluate, sample_with, Weights};
+use switchyard_train::weights::{check_destination, evaluate, Weights};
 
 /// The number of heads to assume for a weights file without switchyard metadata.
 const DEFAULT_HEADS: usize = 4;
@@ -25,8 +27,12 @@ pub struct ExportArgs {
 }
 
 /// The weights at `path`, with a note on stderr when a file carries no checksum.
-fn load(path: &std::path::Path, heads: usize) -> anyhow::Result<Weights> {
-    let w = Weights::load(path, heads)?;
+fn load(path: &std::path::Path, heads: usize) -> anyhow::Result<Weights<GptConfig>> {
+    let hint = GptConfig {
+        n_head: heads,
+        ..GptConfig::default()
+    };
+    let w = Weights::load(path, &hint)?;
     if let Some(note) = w.note(path) {
         eprintln!("{note}");
     }
@@ -40,7 +46,7 @@ pub fn export(a: ExportArgs) -> anyhow::Result<()> {
     println!(
         "wrote {} ({} tensors, {:.2}M parameters)",
         a.out.display(),
-        w.tensors.len() + usize::from(w.config.tied_embeddings),
+        w.export_tensors()?.len(),
         w.config.param_count() as f64 / 1e6
     );
     Ok(())
@@ -158,11 +164,20 @@ pub fn sample_text(a: SampleArgs) -> anyhow::Result<()> {
     let mut out = std::io::stdout().lock();
     write!(out, "{}", a.prompt)?;
     out.flush()?;
-    sample_with(&w, &a.prompt, a.tokens, a.temperature, a.seed, |piece| {
-        out.write_all(piece.as_bytes())?;
-        out.flush()?;
-        Ok(())
-    })?;
+    let model = w.model()?;
+    sample_with(
+        &w.config,
+        &model,
+        &a.prompt,
+        a.tokens,
+        a.temperature,
+        a.seed,
+        |piece| {
+            out.write_all(piece.as_bytes())?;
+            out.flush()?;
+            Ok::<(), anyhow::Error>(())
+        },
+    )?;
     writeln!(out)?;
     Ok(())
 }

@@ -2,6 +2,7 @@
 
 use std::path::Path;
 
+use switchyard_models::GptConfig;
 use switchyard_train::checkpoint;
 use switchyard_train::{Resume, TrainConfig};
 
@@ -13,13 +14,18 @@ use super::train::TrainArgs;
 /// continues, except those given by a flag or in the `--config` file. Reads only the
 /// manifest; the trainer checks the files. A checkpoint written before `eps`, `decay` or
 /// `shuffle` existed gives their defaults, which were then the only behaviour.
-pub fn restore(c: &mut TrainConfig, a: &TrainArgs, dir: &Path, r: Resume) -> anyhow::Result<()> {
+pub fn restore(
+    c: &mut TrainConfig<GptConfig>,
+    a: &TrainArgs,
+    dir: &Path,
+    r: Resume,
+) -> anyhow::Result<()> {
     let step = match r {
         Resume::Latest => None,
         Resume::Step(s) => Some(s),
     };
     let path = checkpoint::locate(dir, step)?;
-    let saved = checkpoint::read_manifest(&path)?.config;
+    let saved = checkpoint::read_manifest(&path)?.config_of::<GptConfig>()?;
     let table = a
         .config
         .as_ref()

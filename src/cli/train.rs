@@ -4,6 +4,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{anyhow, bail, Context};
 use clap::Args;
+use switchyard_models::GptConfig;
 use switchyard_models::SplitSpec;
 use switchyard_schedule::{ScheduleChoice, ScheduleKind};
 use switchyard_train::data::{self, Corpus, DataSpec, Dataset, TokenWidth};
@@ -213,7 +214,7 @@ fn load_file(path: &Path) -> anyhow::Result<(TrainConfig, FileOnly, bool)> {
     }
     let file_error = |e: toml::de::Error| anyhow!("--config {}: {}", path.display(), explain(&e));
     let extra: FileOnly = toml::Value::Table(extra).try_into().map_err(file_error)?;
-    let cfg: TrainConfig = toml::Value::Table(table).try_into().map_err(file_error)?;
+    let cfg: TrainConfig<GptConfig> = toml::Value::Table(table).try_into().map_err(file_error)?;
     Ok((cfg, extra, vocab))
 }
 
@@ -255,7 +256,11 @@ pub struct DataChoice {
 pub fn resolve(a: &TrainArgs) -> anyhow::Result<(TrainConfig, DataChoice, TrainOptions)> {
     let (mut c, file, vocab_in_file) = match &a.config {
         Some(p) => load_file(p)?,
-        None => (TrainConfig::default(), FileOnly::default(), false),
+        None => (
+            TrainConfig::<GptConfig>::default(),
+            FileOnly::default(),
+            false,
+        ),
     };
     macro_rules! set {
         ($($flag:ident => $($field:ident).+),* $(,)?) => {
@@ -438,7 +443,7 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
 /// the whole job through `MPI_Abort` (printing `rank R failed: …`), so that no other
 /// rank waits for it until its timeout.
 fn run_mpi(
-    cfg: &TrainConfig,
+    cfg: &TrainConfig<GptConfig>,
     corpus: &Corpus,
     opts: &TrainOptions,
     threads: usize,

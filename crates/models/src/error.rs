@@ -13,6 +13,10 @@ pub enum ModelError {
     /// A state dict whose tensors do not describe a model of this kind.
     #[error("{0}")]
     Weights(String),
+    /// A layout the model cannot run: a tensor-parallel degree that does not divide
+    /// what must be divided, a sequence longer than the model's context.
+    #[error("{0}")]
+    Layout(String),
     /// A split that does not parse.
     #[error("bad split {0:?}: use `even`, `balanced` or layer counts such as `3,2`")]
     BadSplit(String),

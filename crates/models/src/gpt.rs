@@ -16,7 +16,11 @@ use switchyard_shard::{
     ParallelSelfAttention, ParamStore, ShardSpec, TpGroup, VocabParallelEmbedding,
 };
 
-use crate::{GptConfig, ModelError, StagePlan};
+use std::collections::HashMap;
+
+use crate::{
+    gpt_layer_costs, GptConfig, LayerCosts, Model, ModelError, ModelStage, StagePlan, Tied,
+};
 
 /// LayerNorm epsilon, as GPT-2.
 pub const LN_EPS: f64 = 1e-5;
@@ -154,7 +158,6 @@ impl GptStage {
                 let ln_f = LayerNorm::new(&vb.pp("transformer.ln_f"), d)?;
                 let lm_head = match (cfg.tied_embeddings, &embed) {
                     (true, Some(e)) => e.wte.tied_lm_head()?,
-                    // The table lives on this rank under another stage: share it.
                     // The table lives on this rank under another stage (shared), or
                     // this stage gets its own copy.
                     (true, None) => wte(&vb.shared())?.tied_lm_head()?,
@@ -212,6 +215,145 @@ impl GptStage {
     /// u32), computed without gathering the vocabulary on one rank.
     pub fn loss(&self, logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
         vocab_parallel_cross_entropy(logits, &targets.flatten_all()?, self.vocab_size, &self.tp)
+    }
+}
+
+impl switchyard_pipeline::Stage for GptStage {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        Module::forward(self, x)
+    }
+    fn params(&self) -> &[Var] {
+        &self.params
+    }
+    fn begin_step(&self) -> Result<()> {
+        GptStage::begin_step(self)
+    }
+    fn end_step(&self) {
+        GptStage::end_step(self)
+    }
+}
+
+impl ModelStage for GptStage {
+    fn loss(&self, out: &Tensor, target: &Tensor) -> Result<Tensor> {
+        GptStage::loss(self, out, target)
+    }
+}
+
+/// The token table, which a tied LM head shares.
+const WTE: &str = "transformer.wte.weight";
+/// The untied LM head, and a tied one's alias in nanoGPT's state dict.
+const LM_HEAD: &str = "lm_head.weight";
+
+/// Buffers of nanoGPT state dicts that are not parameters (causal masks), ignored on
+/// import.
+fn is_buffer(name: &str) -> bool {
+    name.ends_with(".attn.bias") || name.ends_with(".attn.masked_bias")
+}
+
+impl Model for GptConfig {
+    const NAME: &'static str = "gpt";
+    type Stage = GptStage;
+
+    fn layers(&self) -> usize {
+        self.n_layer
+    }
+
+    fn stage(&self, plan: &StagePlan, store: &ParamStore, tp: TpGroup) -> Result<GptStage> {
+        GptStage::new(self, plan, store, tp)
+    }
+
+    fn validate(&self) -> std::result::Result<(), ModelError> {
+        GptConfig::validate(self)
+    }
+
+    /// Whole heads on every tensor-parallel rank; sequences no longer than the position
+    /// table.
+    fn check_layout(&self, tp: usize, seq_len: usize) -> std::result::Result<(), ModelError> {
+        if tp == 0 || !self.n_head.is_multiple_of(tp) {
+            return Err(ModelError::Layout(format!(
+                "--tp {tp} does not divide the {} attention heads: each rank needs whole heads; \
+                 use a --tp that divides {} or change --heads",
+                self.n_head, self.n_head
+            )));
+        }
+        if seq_len == 0 || seq_len > self.block_size {
+            return Err(ModelError::Layout(format!(
+                "--seq-len {seq_len} must be between 1 and the model's block size {}",
+                self.block_size
+            )));
+        }
+        Ok(())
+    }
+
+    fn costs(&self, seq_len: usize) -> LayerCosts {
+        gpt_layer_costs(self, seq_len)
+    }
+
+    /// The token table, on the first and the last stage, when the head is tied and they
+    /// are different stages.
+    fn tied(&self, num_stages: usize) -> Vec<Tied> {
+        match self.tied_embeddings && num_stages > 1 {
+            true => vec![Tied {
+                name: WTE.into(),
+                stages: vec![0, num_stages - 1],
+            }],
+            false => Vec::new(),
+        }
+    }
+
+    fn vocab_size(&self) -> Option<usize> {
+        Some(self.vocab_size)
+    }
+
+    fn param_shapes(&self) -> std::result::Result<Vec<(String, Vec<usize>)>, ModelError> {
+        GptConfig::validate(self)?;
+        Ok(GptConfig::param_shapes(self))
+    }
+
+    fn param_count(&self) -> usize {
+        GptConfig::param_count(self)
+    }
+
+    /// A nanoGPT state dict: the shapes give every dimension but the number of heads,
+    /// which comes from `self`; causal-mask buffers are dropped; a head equal to the
+    /// token table (nanoGPT saves a tied table under both names) or missing means tied.
+    fn import(
+        &self,
+        mut tensors: HashMap<String, Tensor>,
+    ) -> std::result::Result<(GptConfig, HashMap<String, Tensor>), ModelError> {
+        tensors.retain(|k, _| !is_buffer(k));
+        let shapes = tensors
+            .iter()
+            .map(|(k, v)| (k.clone(), v.dims().to_vec()))
+            .collect();
+        let mut c = GptConfig::infer(&shapes, self.n_head)?;
+        if let (Some(w), Some(h)) = (tensors.get(WTE), tensors.get(LM_HEAD)) {
+            let same = w.dims() == h.dims()
+                && (w - h)
+                    .and_then(|d| d.abs()?.max_all()?.to_scalar::<f32>())
+                    .map_err(|e| ModelError::Weights(e.to_string()))?
+                    == 0.0;
+            if same {
+                c.tied_embeddings = true;
+                tensors.remove(LM_HEAD);
+            }
+        }
+        Ok((c, tensors))
+    }
+
+    /// A tied table also under `lm_head.weight`, as PyTorch's state dict has it.
+    fn export(&self, tensors: &mut Vec<(String, Tensor)>) -> std::result::Result<(), ModelError> {
+        if self.tied_embeddings {
+            let Some((_, w)) = tensors.iter().find(|(n, _)| n == WTE) else {
+                return Err(ModelError::MissingParam {
+                    model: Self::NAME,
+                    name: WTE.into(),
+                });
+            };
+            let w = w.clone();
+            tensors.push((LM_HEAD.into(), w));
+        }
+        Ok(())
     }
 }
 

@@ -10,6 +10,9 @@
 //! * [`ReferenceGpt`]: a plain single-device GPT that shares no code with the above,
 //!   the yardstick of every parity test.
 //! * [`MlpStage`]: a small residual MLP, the simplest model to pipeline.
+//! * [`Model`] and [`ModelStage`]: what a trainer needs from a model, implemented by
+//!   [`GptConfig`] and [`MlpConfig`] (and by any model of your own): stages built for a
+//!   layout, the loss, per-layer costs, tied parameters, names and shapes.
 //!
 //! Architecture invariant: this crate never depends on `switchyard-comm`; every
 //! collective happens inside a `switchyard-shard` layer.
@@ -44,14 +47,17 @@ mod config;
 mod error;
 mod gpt;
 mod mlp;
+mod model;
 pub mod plan;
 mod reference;
+pub mod sample;
 pub mod split;
 
 pub use config::GptConfig;
 pub use error::ModelError;
 pub use gpt::{GptStage, INIT_STD, LN_EPS};
 pub use mlp::{MlpConfig, MlpStage};
+pub use model::{Model, ModelStage, Tied};
 pub use reference::ReferenceGpt;
 pub use split::{plan_stages, LayerCosts, SplitSpec, StagePlan};
 

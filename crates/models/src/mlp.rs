@@ -2,19 +2,84 @@
 //!
 //! The simplest model worth pipelining: every layer has the same shape, so any split
 //! works, and each layer is one column-then-row tensor-parallel pair.
+//!
+//! As a [`Model`] it trains on token windows like the GPT does, without a vocabulary:
+//! a window of `d_model` token ids is one input vector (each id `i` read as the number
+//! `i/128 − 1`), and the loss is the mean squared error against the target window read
+//! the same way. A float model with no embeddings and no ties, through the same trainer.
 
-use candle_core::{Module, Result, Tensor, Var};
+use candle_core::{DType, Module, Result, Tensor, Var};
 use serde::{Deserialize, Serialize};
 use switchyard_shard::{Init, LayerInit, ParallelMlp, ParamStore, TpGroup};
 
-use crate::StagePlan;
+use crate::{Model, ModelError, ModelStage, StagePlan};
 
-/// The MLP's shape.
+/// The MLP's shape. In a config file every field is optional.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct MlpConfig {
     pub d_model: usize,
     pub hidden: usize,
     pub n_layer: usize,
+}
+
+impl Default for MlpConfig {
+    fn default() -> Self {
+        MlpConfig {
+            d_model: 16,
+            hidden: 32,
+            n_layer: 4,
+        }
+    }
+}
+
+/// Token ids as values: `i/128 − 1` (bytes land in `[−1, 1)`); floats pass unchanged.
+fn as_values(x: &Tensor) -> Result<Tensor> {
+    match x.dtype() {
+        DType::U32 => x.to_dtype(DType::F32)?.affine(1.0 / 128.0, -1.0),
+        _ => Ok(x.clone()),
+    }
+}
+
+impl Model for MlpConfig {
+    const NAME: &'static str = "mlp";
+    type Stage = MlpStage;
+
+    fn layers(&self) -> usize {
+        self.n_layer
+    }
+
+    fn stage(&self, plan: &StagePlan, store: &ParamStore, tp: TpGroup) -> Result<MlpStage> {
+        MlpStage::new(self, plan, store, tp)
+    }
+
+    fn validate(&self) -> std::result::Result<(), ModelError> {
+        if self.d_model == 0 || self.hidden == 0 || self.n_layer == 0 {
+            return Err(ModelError::Config(format!(
+                "every MLP dimension must be positive: {self:?}"
+            )));
+        }
+        Ok(())
+    }
+
+    /// A window of `seq_len` ids is one input vector, so `seq_len` must be `d_model`;
+    /// the hidden width divides among the tensor-parallel ranks.
+    fn check_layout(&self, tp: usize, seq_len: usize) -> std::result::Result<(), ModelError> {
+        if seq_len != self.d_model {
+            return Err(ModelError::Layout(format!(
+                "the MLP reads a window of --seq-len tokens as one vector of d_model {}: \
+                 use --seq-len {}",
+                self.d_model, self.d_model
+            )));
+        }
+        if tp == 0 || !self.hidden.is_multiple_of(tp) {
+            return Err(ModelError::Layout(format!(
+                "--tp {tp} does not divide the MLP's hidden width {}",
+                self.hidden
+            )));
+        }
+        Ok(())
+    }
 }
 
 /// The layers of an [`MlpConfig`] that one stage runs. Input and output `[N, d]`.
@@ -53,15 +118,32 @@ impl MlpStage {
         &self.params
     }
 
-    /// Mean squared error against `target`.
+    /// Mean squared error against `target` (token ids are read as values, see the
+    /// module docs).
     pub fn loss(&self, out: &Tensor, target: &Tensor) -> Result<Tensor> {
-        (out - target)?.sqr()?.mean_all()
+        (out - as_values(target)?)?.sqr()?.mean_all()
+    }
+}
+
+impl switchyard_pipeline::Stage for MlpStage {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        Module::forward(self, x)
+    }
+    fn params(&self) -> &[Var] {
+        &self.params
+    }
+}
+
+impl ModelStage for MlpStage {
+    fn loss(&self, out: &Tensor, target: &Tensor) -> Result<Tensor> {
+        MlpStage::loss(self, out, target)
     }
 }
 
 impl Module for MlpStage {
+    /// Input `[N, d]` floats, or token ids `[N, d]` (u32, read as values).
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let mut x = x.clone();
+        let mut x = as_values(x)?;
         for l in &self.layers {
             x = (&x + l.forward(&x)?)?;
         }

@@ -44,6 +44,8 @@ use candle_core::{DType, Device, Tensor};
 use serde::{Deserialize, Serialize};
 use switchyard_shard::ShardSpec;
 
+use switchyard_models::Model;
+
 use crate::optim::AdamWConfig;
 use crate::TrainConfig;
 
@@ -95,8 +97,13 @@ pub struct Manifest {
     pub run_id: String,
     /// Steps completed; a resumed run starts at this step.
     pub step: usize,
-    /// The run's configuration, layout included.
-    pub config: TrainConfig,
+    /// The kind of model ([`Model::NAME`]). Empty in checkpoints written before the
+    /// field existed, all of which hold a GPT.
+    #[serde(default)]
+    pub model_kind: String,
+    /// The run's configuration, layout included, with the model's config as JSON
+    /// (read it as a model's type with [`Manifest::config_of`]).
+    pub config: TrainConfig<serde_json::Value>,
     pub corpus: CorpusInfo,
     /// The index of the next batch. Batches depend only on the step and the config (the
     /// seed, or with `shuffle` off the batch size: see `data::Sampler`), so this and the
@@ -107,6 +114,32 @@ pub struct Manifest {
     pub optimizer_t: u64,
     pub optimizer: AdamWConfig,
     pub files: Vec<FileEntry>,
+}
+
+impl Manifest {
+    /// The run's configuration for a model of kind `M`; refuses a checkpoint of another
+    /// kind of model, or a model config that does not read as `M`'s.
+    pub fn config_of<M: Model>(&self) -> Result<TrainConfig<M>> {
+        if !self.model_kind.is_empty() && self.model_kind != M::NAME {
+            bail!(
+                "the checkpoint holds a {} model, not a {} model",
+                self.model_kind,
+                M::NAME
+            );
+        }
+        let value = serde_json::to_value(&self.config)?;
+        serde_json::from_value(value).map_err(|e| {
+            anyhow!(
+                "the checkpoint's model config does not read as a {} model's: {e}",
+                M::NAME
+            )
+        })
+    }
+}
+
+/// `cfg` with its model config as JSON, as a [`Manifest`] holds it.
+pub fn erase_model<M: Model>(cfg: &TrainConfig<M>) -> Result<TrainConfig<serde_json::Value>> {
+    Ok(serde_json::from_value(serde_json::to_value(cfg)?)?)
 }
 
 /// FNV-1a 64.

@@ -1,17 +1,26 @@
 //! The training configuration, and every check that must pass before a worker starts.
 
+use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use switchyard_comm::MeshShape;
-use switchyard_models::{plan_stages, GptConfig, LayerCosts, SplitSpec};
+use switchyard_models::{plan_stages, GptConfig, Model, SplitSpec};
 use switchyard_schedule::{generate, lower, validate, Program, ScheduleChoice, ScheduleKind};
 
 use crate::optim::{AdamWConfig, Decay};
 
-/// Everything a run needs. `switchyard train` builds it from flags and `--config`.
+/// Everything a run needs, for a model whose config is `M` (a [`Model`]).
+/// `switchyard train` builds it from flags and `--config`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct TrainConfig {
-    pub model: GptConfig,
+#[serde(
+    deny_unknown_fields,
+    default,
+    bound(
+        serialize = "M: Serialize",
+        deserialize = "M: DeserializeOwned + Default"
+    )
+)]
+pub struct TrainConfig<M = GptConfig> {
+    pub model: M,
     pub dp: usize,
     pub pp: usize,
     pub tp: usize,
@@ -63,11 +72,12 @@ pub struct TrainConfig {
     pub eval_batches: usize,
 }
 
-impl Default for TrainConfig {
-    /// The README's run: a small GPT with pipeline and tensor parallelism on 2 cores.
+impl<M: Default> Default for TrainConfig<M> {
+    /// The README's run, with the model's default config: pipeline and tensor
+    /// parallelism on 2 cores.
     fn default() -> Self {
         TrainConfig {
-            model: GptConfig::default(),
+            model: M::default(),
             dp: 1,
             pp: 2,
             tp: 2,
@@ -99,7 +109,7 @@ impl Default for TrainConfig {
     }
 }
 
-impl TrainConfig {
+impl<M> TrainConfig<M> {
     pub fn mesh(&self) -> MeshShape {
         MeshShape::new(self.dp, self.pp, self.tp)
     }
@@ -219,7 +229,9 @@ impl TrainConfig {
             decay: self.decay,
         }
     }
+}
 
+impl<M: Model> TrainConfig<M> {
     /// Every check that can be made before any worker starts, each with what to change.
     /// The cheap arithmetic comes first, so that no absurd value (a layout whose product
     /// overflows, more stages than layers, a model larger than this machine's memory)
@@ -266,13 +278,8 @@ impl TrainConfig {
             }
         }
         self.validate_numbers()?;
-        if !m.n_head.is_multiple_of(self.tp) {
-            return Err(format!(
-                "--tp {} does not divide the {} attention heads: each rank needs whole heads; \
-                 use a --tp that divides {} or change --heads",
-                self.tp, m.n_head, m.n_head
-            ));
-        }
+        m.check_layout(self.tp, self.seq_len)
+            .map_err(|e| e.to_string())?;
         if self.microbatches == 0 || self.batch == 0 || self.steps == 0 {
             return Err("--batch, --microbatches and --steps must be at least 1".into());
         }
@@ -311,8 +318,7 @@ impl TrainConfig {
             )
         })?;
         // Every stage needs a layer: check it before any schedule is generated.
-        let costs = LayerCosts::uniform(m.n_layer, 0.0, 1.0, 0.0);
-        plan_stages(&costs, stages, &self.split).map_err(|e| e.to_string())?;
+        plan_stages(&m.costs(self.seq_len), stages, &self.split).map_err(|e| e.to_string())?;
         if self.schedule.is_interleaved() && !self.microbatches.is_multiple_of(self.pp) {
             return Err(self.interleaved_advice());
         }
@@ -326,12 +332,6 @@ impl TrainConfig {
         // The schedule generator knows its own constraints; ask it now rather than
         // inside a worker.
         self.program()?;
-        if self.seq_len == 0 || self.seq_len > m.block_size {
-            return Err(format!(
-                "--seq-len {} must be between 1 and the model's block size {}",
-                self.seq_len, m.block_size
-            ));
-        }
         if self.batch.checked_mul(self.seq_len).is_none() {
             return Err(format!(
                 "--batch {} × --seq-len {} tokens per step overflows",
@@ -540,6 +540,9 @@ fn human_bytes(n: u128) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The trainer's checks, on the GPT.
+    type TrainConfig = super::TrainConfig<GptConfig>;
 
     fn sched(text: &str) -> ScheduleChoice {
         text.parse().unwrap()

@@ -18,6 +18,7 @@ use switchyard_schedule::{simulate, Action, Costs, Op};
 
 use crate::worker::{StepMetrics, Worker};
 use crate::TrainConfig;
+use switchyard_models::Model;
 
 /// One step, as reported by rank 0 for the whole job.
 #[derive(Debug, Clone, Serialize)]
@@ -34,7 +35,7 @@ pub struct StepRecord {
 }
 
 impl StepRecord {
-    pub(crate) fn of(cfg: &TrainConfig, m: &StepMetrics) -> StepRecord {
+    pub(crate) fn of<M>(cfg: &TrainConfig<M>, m: &StepMetrics) -> StepRecord {
         StepRecord {
             step: m.step,
             loss: m.loss,
@@ -98,7 +99,7 @@ impl TrainReport {
     }
 
     /// A short text report.
-    pub fn render(&self, cfg: &TrainConfig) -> String {
+    pub fn render<M>(&self, cfg: &TrainConfig<M>) -> String {
         let mut s = String::new();
         let first = self.steps.first().map(|r| r.loss).unwrap_or(f64::NAN);
         s += &format!(
@@ -209,8 +210,8 @@ fn median_bubbles(rows: &[f64], width: usize, offset: usize, n: usize) -> Vec<f6
 
 /// Assembles the report on rank 0 (`None` elsewhere) and writes the trace to `trace`.
 /// Collective over the world.
-pub(crate) fn gather(
-    worker: &Worker,
+pub(crate) fn gather<M: Model>(
+    worker: &Worker<M>,
     steps: &[StepMetrics],
     trace: Option<&Path>,
 ) -> anyhow::Result<Option<TrainReport>> {
@@ -288,7 +289,10 @@ pub(crate) fn gather(
 }
 
 /// Every rank's trace events on rank 0, as rows `[rank, step, stage, op, mb, start, dur]`.
-fn gather_events(worker: &Worker, steps: &[StepMetrics]) -> anyhow::Result<Vec<[f64; 7]>> {
+fn gather_events<M: Model>(
+    worker: &Worker<M>,
+    steps: &[StepMetrics],
+) -> anyhow::Result<Vec<[f64; 7]>> {
     let world = &*worker.mesh.world;
     let me = world.rank() as f64;
     let mut rows: Vec<f64> = Vec::new();
@@ -324,7 +328,7 @@ fn gather_events(worker: &Worker, steps: &[StepMetrics]) -> anyhow::Result<Vec<[
 }
 
 /// A Chrome trace (Perfetto): a track per rank, a slice per action.
-fn write_trace(cfg: &TrainConfig, path: &Path, events: Vec<[f64; 7]>) -> anyhow::Result<()> {
+fn write_trace<M>(cfg: &TrainConfig<M>, path: &Path, events: Vec<[f64; 7]>) -> anyhow::Result<()> {
     let mesh = cfg.mesh();
     let mut out: Vec<serde_json::Value> = (0..cfg.world_size())
         .map(|r| {

@@ -20,6 +20,7 @@ use crate::run_dir;
 use crate::weights::Weights;
 use crate::worker::Worker;
 use crate::TrainConfig;
+use switchyard_models::Model;
 
 /// Where the loop writes, besides the report it returns.
 #[derive(Default, Clone)]
@@ -74,8 +75,8 @@ enum Start {
 /// Trains `cfg` on `data` with the in-process backend, one thread per rank, and
 /// returns the job's report. Every configuration error is reported before any worker
 /// starts.
-pub fn train(
-    cfg: &TrainConfig,
+pub fn train<M: Model>(
+    cfg: &TrainConfig<M>,
     data: &dyn Dataset,
     opts: &TrainOptions,
 ) -> anyhow::Result<TrainReport> {
@@ -103,9 +104,9 @@ pub fn train(
 /// Trains as one rank of `world` (for example one process of an `mpirun` job): every
 /// rank calls it; rank 0 gets the job's report, the others `None`. The world's size must
 /// be `dp × pp × tp`.
-pub fn train_rank(
+pub fn train_rank<M: Model>(
     world: Arc<dyn Communicator>,
-    cfg: &TrainConfig,
+    cfg: &TrainConfig<M>,
     data: &dyn Dataset,
     opts: &TrainOptions,
 ) -> anyhow::Result<Option<TrainReport>> {
@@ -130,8 +131,8 @@ pub fn train_rank(
 }
 
 /// What every rank shares.
-struct RankContext<'a> {
-    cfg: &'a TrainConfig,
+struct RankContext<'a, M: Model> {
+    cfg: &'a TrainConfig<M>,
     data: &'a dyn Dataset,
     corpus_info: CorpusInfo,
     opts: &'a TrainOptions,
@@ -174,16 +175,16 @@ impl DirPlan {
     }
 }
 
-impl<'a> RankContext<'a> {
+impl<'a, M: Model> RankContext<'a, M> {
     /// Checks the configuration, the data and whatever the run starts from.
     fn prepare(
-        cfg: &'a TrainConfig,
+        cfg: &'a TrainConfig<M>,
         data: &'a dyn Dataset,
         opts: &'a TrainOptions,
     ) -> anyhow::Result<Self> {
         cfg.validate()
             .map_err(|e| anyhow!("invalid configuration: {e}"))?;
-        data.check(cfg.model.vocab_size, cfg.seq_len)
+        data.check(cfg.model.vocab_size().unwrap_or(usize::MAX), cfg.seq_len)
             .map_err(anyhow::Error::msg)?;
         let corpus_info = CorpusInfo {
             name: data.name().to_string(),
@@ -206,8 +207,8 @@ impl<'a> RankContext<'a> {
 
 /// Checks, before any work, that the run may write into its checkpoint directory (which
 /// is created and probed), and plans what moves aside; returns the run id.
-fn prepare_dir(
-    cfg: &TrainConfig,
+fn prepare_dir<M: Model>(
+    cfg: &TrainConfig<M>,
     opts: &TrainOptions,
     start: &Start,
 ) -> anyhow::Result<(String, DirPlan)> {
@@ -249,8 +250,8 @@ fn prepare_dir(
 }
 
 /// Loads and checks whatever the run starts from, before any worker starts.
-fn prepare_start(
-    cfg: &TrainConfig,
+fn prepare_start<M: Model>(
+    cfg: &TrainConfig<M>,
     opts: &TrainOptions,
     corpus: &CorpusInfo,
 ) -> anyhow::Result<Start> {
@@ -270,11 +271,14 @@ fn prepare_start(
         };
         let ckpt = Checkpoint::find(dir, step)?;
         let m = &ckpt.manifest;
-        if m.config.model != cfg.model {
+        let saved = m
+            .config_of::<M>()
+            .with_context(|| format!("{}", ckpt.path.display()))?;
+        if saved.model != cfg.model {
             anyhow::bail!(
                 "{} holds a model {:?}, but this run builds {:?}: resume with the checkpoint's model flags",
                 ckpt.path.display(),
-                m.config.model,
+                saved.model,
                 cfg.model
             );
         }
@@ -313,13 +317,13 @@ fn prepare_start(
         });
     }
     if let Some(path) = &opts.init {
-        let w = Weights::load(path, cfg.model.n_head)?;
+        let w = Weights::load(path, &cfg.model)?;
         if let Some(note) = w.note(path) {
             eprintln!("{note}");
         }
         if w.config != cfg.model {
             anyhow::bail!(
-                "{} holds a model {:?}, but this run builds {:?}: pass matching --d-model, --layers, --heads (and --tied)",
+                "{} holds a model {:?}, but this run builds {:?}: build the same model",
                 path.display(),
                 w.config,
                 cfg.model
@@ -330,9 +334,9 @@ fn prepare_start(
     Ok(Start::Seed)
 }
 
-fn run_rank(
+fn run_rank<M: Model>(
     world: Arc<dyn Communicator>,
-    ctx: &RankContext,
+    ctx: &RankContext<M>,
 ) -> anyhow::Result<Option<TrainReport>> {
     let (cfg, opts) = (ctx.cfg, ctx.opts);
     let me = world.rank();
@@ -412,7 +416,7 @@ fn run_rank(
 }
 
 /// Whether any rank's stop flag is set: collective, so every rank stops after the same step.
-fn stop_requested(worker: &Worker, flag: Option<&AtomicBool>) -> anyhow::Result<bool> {
+fn stop_requested<M: Model>(worker: &Worker<M>, flag: Option<&AtomicBool>) -> anyhow::Result<bool> {
     let Some(flag) = flag else {
         return Ok(false);
     };
@@ -433,11 +437,11 @@ fn stop_requested(worker: &Worker, flag: Option<&AtomicBool>) -> anyhow::Result<
 }
 
 /// [`save`], with an error that names the last good checkpoint when it fails.
-fn save_or_explain(
-    worker: &Worker,
+fn save_or_explain<M: Model>(
+    worker: &Worker<M>,
     dir: &Path,
     done: usize,
-    ctx: &RankContext,
+    ctx: &RankContext<M>,
     last_good: Option<&Path>,
 ) -> anyhow::Result<()> {
     save(worker, dir, done, ctx).map_err(|e| {
@@ -454,7 +458,12 @@ fn save_or_explain(
 }
 
 /// Saves the state after `done` steps (see [`checkpoint`]). Collective over the world.
-fn save(worker: &Worker, dir: &Path, done: usize, ctx: &RankContext) -> anyhow::Result<()> {
+fn save<M: Model>(
+    worker: &Worker<M>,
+    dir: &Path,
+    done: usize,
+    ctx: &RankContext<M>,
+) -> anyhow::Result<()> {
     let world = &worker.mesh.world;
     let staging = checkpoint::staging_dir(dir, done);
     if world.rank() == 0 {
@@ -487,7 +496,8 @@ fn save(worker: &Worker, dir: &Path, done: usize, ctx: &RankContext) -> anyhow::
             format: checkpoint::FORMAT.into(),
             run_id: ctx.run_id.clone(),
             step: done,
-            config: ctx.cfg.clone(),
+            model_kind: M::NAME.into(),
+            config: checkpoint::erase_model(ctx.cfg)?,
             corpus: ctx.corpus_info.clone(),
             data_position: done,
             rng_seed: ctx.cfg.seed,

@@ -4,8 +4,8 @@
 //! A step:
 //! 1. the pipeline executor runs this rank's actions of the schedule over its
 //!    microbatches (with tensor-parallel collectives inside the layers);
-//! 2. tied embeddings: the two copies' gradients are summed across the first and last
-//!    pipeline stage;
+//! 2. tied parameters ([`switchyard_models::Tied`], such as a token table shared with
+//!    the LM head): the copies' gradients are summed over the ranks that hold them;
 //! 3. data parallelism: gradients are summed over the replicas in buckets (the loss was
 //!    already scaled by `1 / (microbatches · dp)`, so the sum is the mean);
 //! 4. one small all-gather over the world shares every rank's loss, squared gradient norm
@@ -17,9 +17,9 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
-use candle_core::{DType, Device, Module, Result, Tensor, TensorId, Var};
+use candle_core::{DType, Device, Result, Tensor, TensorId, Var};
 use switchyard_comm::{Communicator, Mesh, ReduceOp};
-use switchyard_models::{gpt_layer_costs, plan_stages, GptStage};
+use switchyard_models::{plan_stages, Model, ModelStage};
 use switchyard_pipeline::{CheckedProgram, Executor, Microbatches, Stage, StepStats};
 use switchyard_schedule::Program;
 use switchyard_shard::{gather_full_tensor, Param, ParamSource, ParamStore, ShardSpec};
@@ -29,24 +29,25 @@ use crate::data::{Dataset, Sampler};
 use crate::optim::{sum_sq, AdamW, LrSchedule};
 use crate::TrainConfig;
 
-/// A [`GptStage`] as a pipeline [`Stage`].
-struct PipelineStage<'a> {
-    gpt: &'a GptStage,
+/// A model's stage as the executor sees it: its own parameters and the tied ones it
+/// uses without having created them.
+struct Wrapped<'a, S> {
+    stage: &'a S,
     params: &'a [Var],
 }
 
-impl Stage for PipelineStage<'_> {
+impl<S: ModelStage> Stage for Wrapped<'_, S> {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        self.gpt.forward(x)
+        self.stage.forward(x)
     }
     fn params(&self) -> &[Var] {
         self.params
     }
     fn begin_step(&self) -> Result<()> {
-        self.gpt.begin_step()
+        self.stage.begin_step()
     }
     fn end_step(&self) {
-        self.gpt.end_step()
+        self.stage.end_step()
     }
 }
 
@@ -78,96 +79,117 @@ pub struct NonFinite {
 }
 
 /// One rank's state.
-pub struct Worker<'a> {
-    pub cfg: TrainConfig,
+pub struct Worker<'a, M: Model> {
+    pub cfg: TrainConfig<M>,
     pub mesh: Mesh,
     program: CheckedProgram,
     store: ParamStore,
-    stages: Vec<(u32, GptStage)>,
+    stages: Vec<(u32, M::Stage)>,
     /// Per stage, the parameters the executor collects gradients for: the stage's own,
-    /// and a table on this rank that its tied head uses without owning.
+    /// and the tied ones it uses that another stage of this rank created.
     stage_params: Vec<Vec<Var>>,
     params: Vec<Param>,
     index: HashMap<TensorId, usize>,
     /// Whether a parameter's gradient counts toward the global norm on this rank (each
     /// parameter counted once per replica).
     owned: Vec<bool>,
-    /// With tied embeddings split over pipeline stages: the table's index and the group
-    /// of the two stages that hold a copy.
-    tied: Option<(usize, Arc<dyn Communicator>)>,
+    /// Each tied parameter this rank holds whose copies live on other pipeline ranks
+    /// too: its index and the group of the ranks that hold a copy.
+    tied: Vec<(usize, Arc<dyn Communicator>)>,
     pub opt: AdamW,
     pub schedule: LrSchedule,
     data: &'a dyn Dataset,
     epoch: Instant,
 }
 
-impl<'a> Worker<'a> {
+impl<'a, M: Model> Worker<'a, M> {
     /// Builds this rank's part of the job. Collective over `world`.
     pub fn new(
         world: Arc<dyn Communicator>,
-        cfg: &TrainConfig,
+        cfg: &TrainConfig<M>,
         data: &'a dyn Dataset,
         source: ParamSource,
-    ) -> anyhow::Result<Worker<'a>> {
+    ) -> anyhow::Result<Worker<'a, M>> {
         cfg.validate().map_err(anyhow::Error::msg)?;
         let mesh = Mesh::new(world.clone(), cfg.mesh())?;
         let program = CheckedProgram::new(&cfg.program().map_err(anyhow::Error::msg)?)?;
         let pipe = program.program();
-        let plans = plan_stages(
-            &gpt_layer_costs(&cfg.model, cfg.seq_len),
-            cfg.num_stages(),
-            &cfg.split,
-        )?;
+        let plans = plan_stages(&cfg.model.costs(cfg.seq_len), cfg.num_stages(), &cfg.split)?;
         let store = ParamStore::for_group(&*mesh.tp, DType::F32, source)?;
         let mut stages = Vec::new();
         for s in pipe.stages_of_rank(mesh.coord.pp as u32) {
-            let gpt = GptStage::new(&cfg.model, &plans[s as usize], &store, mesh.tp.clone())?;
-            stages.push((s, gpt));
+            let stage = cfg
+                .model
+                .stage(&plans[s as usize], &store, mesh.tp.clone())?;
+            stages.push((s, stage));
         }
+        let tied_params = cfg.model.tied(cfg.num_stages());
+        // A stage that uses a tied parameter another stage of this rank created gets
+        // that variable too.
         let stage_params = stages
             .iter()
-            .map(|(_, g)| {
-                let mut own = g.params().to_vec();
-                if g.plan().head && cfg.model.tied_embeddings && !g.plan().embed {
-                    if let Some(p) = store.get("transformer.wte.weight") {
-                        if !own.iter().any(|v| v.id() == p.var.id()) {
-                            own.push(p.var);
-                        }
+            .map(|(s, stage)| {
+                let mut own = stage.params().to_vec();
+                for t in tied_params
+                    .iter()
+                    .filter(|t| t.stages.contains(&(*s as usize)))
+                {
+                    let Some(p) = store.get(&t.name) else {
+                        anyhow::bail!(
+                            "{}: stage {s} uses the tied parameter {} but did not create it",
+                            M::NAME,
+                            t.name
+                        );
+                    };
+                    if !own.iter().any(|v| v.id() == p.var.id()) {
+                        own.push(p.var);
                     }
                 }
-                own
+                Ok(own)
             })
-            .collect();
+            .collect::<anyhow::Result<_>>()?;
         let params = store.params();
         let index = params
             .iter()
             .enumerate()
             .map(|(i, p)| (p.var.id(), i))
             .collect();
-        let last = pipe.num_stages - 1;
-        let head_elsewhere = pipe.rank_of_stage(0) != pipe.rank_of_stage(last);
-        let wte = "transformer.wte.weight";
-        let has_embed = stages.iter().any(|(s, _)| *s == 0);
+        // A tied parameter counts (global norm, checkpoint) on the rank of its owner
+        // stage only.
+        let runs = |stage: usize| stages.iter().any(|(s, _)| *s as usize == stage);
         let owned = params
             .iter()
             .map(|p| {
-                let tied_copy = p.name == wte && cfg.model.tied_embeddings && !has_embed;
-                !tied_copy && (p.spec != ShardSpec::Replicated || mesh.coord.tp == 0)
+                let copy = tied_params
+                    .iter()
+                    .any(|t| t.name == p.name && !runs(t.stages[0]));
+                !copy && (p.spec != ShardSpec::Replicated || mesh.coord.tp == 0)
             })
             .collect();
-        let tied = if cfg.model.tied_embeddings && head_elsewhere {
-            let ends = [pipe.rank_of_stage(0), pipe.rank_of_stage(last)];
+        // One group per tied parameter whose stages span several pipeline ranks; every
+        // rank takes part in every split (color 0: not a member).
+        let mut tied = Vec::new();
+        for t in &tied_params {
+            let mut ranks: Vec<u32> = t
+                .stages
+                .iter()
+                .map(|&s| pipe.rank_of_stage(s as u32))
+                .collect();
+            ranks.sort_unstable();
+            ranks.dedup();
+            if ranks.len() < 2 {
+                continue;
+            }
             let me = mesh.coord.pp as u32;
-            let (color, key) = match ends.contains(&me) {
+            let (color, key) = match ranks.contains(&me) {
                 true => (1 + mesh.coord.dp * cfg.tp + mesh.coord.tp, mesh.coord.pp),
                 false => (0, world.rank()),
             };
-            let group = world.split_named(color, key, "embedding")?;
-            let i = params.iter().position(|p| p.name == wte);
-            i.map(|i| (i, group))
-        } else {
-            None
-        };
+            let group = world.split_named(color, key, &format!("tied:{}", t.name))?;
+            if let Some(i) = params.iter().position(|p| p.name == t.name) {
+                tied.push((i, group));
+            }
+        }
         let opt = AdamW::new(params.iter().map(|p| p.var.clone()).collect(), cfg.adamw());
         let schedule = LrSchedule {
             max_lr: cfg.lr,
@@ -235,11 +257,11 @@ impl<'a> Worker<'a> {
                 candle_core::bail!("the loss runs on the last stage, which is not on this rank")
             }
         };
-        let wrapped: Vec<PipelineStage> = self
+        let wrapped: Vec<Wrapped<M::Stage>> = self
             .stages
             .iter()
             .zip(&self.stage_params)
-            .map(|((_, gpt), params)| PipelineStage { gpt, params })
+            .map(|((_, stage), params)| Wrapped { stage, params })
             .collect();
         let refs: Vec<(u32, &dyn Stage)> = self
             .stages
@@ -277,7 +299,7 @@ impl<'a> Worker<'a> {
                 *g = Some(p.var.zeros_like()?);
             }
         }
-        if let Some((i, group)) = &self.tied {
+        for (i, group) in &self.tied {
             let g = grads[*i].as_ref().expect("filled above");
             grads[*i] = Some(group.all_reduce(g, ReduceOp::Sum)?);
         }

@@ -7,6 +7,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use common::*;
+use switchyard_models::GptConfig;
 use switchyard_train::checkpoint::{self, Checkpoint};
 use switchyard_train::data::Corpus;
 use switchyard_train::weights::{evaluate, Integrity, Weights};
@@ -20,7 +21,7 @@ fn scratch(name: &str) -> PathBuf {
 }
 
 /// A run of 8 steps with a fixed global batch of 8 sequences, whatever the layout.
-fn run_cfg(dp: usize, pp: usize, tp: usize, schedule: &str) -> TrainConfig {
+fn run_cfg(dp: usize, pp: usize, tp: usize, schedule: &str) -> TrainConfig<GptConfig> {
     let mut c = tiny(dp, pp, tp, schedule);
     c.batch = 8;
     c.steps = 8;
@@ -28,7 +29,7 @@ fn run_cfg(dp: usize, pp: usize, tp: usize, schedule: &str) -> TrainConfig {
 }
 
 fn run(
-    cfg: &TrainConfig,
+    cfg: &TrainConfig<GptConfig>,
     dir: &Path,
     save_every: usize,
     resume: Option<Resume>,
@@ -109,10 +110,10 @@ fn export_then_init_gives_the_same_loss() {
     cfg.model.tied_embeddings = true;
     cfg.steps = 3;
     run(&cfg, &dir, 0, None).unwrap();
-    let from_ckpt = Weights::load(&dir, cfg.model.n_head).unwrap();
+    let from_ckpt = Weights::load(&dir, &cfg.model).unwrap();
     let file = dir.join("model.safetensors");
     from_ckpt.export(&file).unwrap();
-    let from_file = Weights::load(&file, 99).unwrap(); // the config comes from the file's metadata
+    let from_file = Weights::load(&file, &GptConfig::default()).unwrap(); // the config comes from the file's metadata
     assert_eq!(from_file.config, cfg.model);
     assert_eq!(from_file.integrity, Integrity::Checksum);
     assert_eq!(from_ckpt.integrity, Integrity::Checkpoint);
@@ -192,7 +193,7 @@ fn only_the_newest_checkpoints_are_kept() {
 
 /// Resuming from a damaged `dir` fails with a message containing `want`, and changes
 /// nothing on disk.
-fn assert_refused(dir: &Path, cfg: &TrainConfig, want: &str) {
+fn assert_refused(dir: &Path, cfg: &TrainConfig<GptConfig>, want: &str) {
     let before = snapshot(dir);
     let e = run(cfg, dir, 1, Some(Resume::Latest))
         .unwrap_err()
@@ -274,7 +275,10 @@ fn an_init_file_of_the_wrong_shapes_is_refused_by_name() {
     small.steps = 1;
     run(&small, &dir, 0, None).unwrap();
     let file = dir.join("small.safetensors");
-    Weights::load(&dir, 4).unwrap().export(&file).unwrap();
+    Weights::load(&dir, &small.model)
+        .unwrap()
+        .export(&file)
+        .unwrap();
     let mut big = small.clone();
     big.model.d_model = 32;
     let opts = TrainOptions {
@@ -285,7 +289,7 @@ fn an_init_file_of_the_wrong_shapes_is_refused_by_name() {
         .unwrap_err()
         .to_string();
     assert!(
-        e.contains("small.safetensors holds a model") && e.contains("--d-model"),
+        e.contains("small.safetensors holds a model") && e.contains("d_model: 32"),
         "{e}"
     );
 }
@@ -297,7 +301,7 @@ fn a_nanogpt_state_dict_without_metadata_loads_with_its_tied_head() {
     cfg.model.tied_embeddings = true;
     cfg.steps = 1;
     run(&cfg, &dir, 0, None).unwrap();
-    let w = Weights::load(&dir, cfg.model.n_head).unwrap();
+    let w = Weights::load(&dir, &cfg.model).unwrap();
     // As PyTorch would save it: both names of the table, no switchyard metadata.
     let mut map = w.tensors.clone();
     map.insert(
@@ -315,7 +319,7 @@ fn a_nanogpt_state_dict_without_metadata_loads_with_its_tied_head() {
     );
     let file = dir.join("torch.safetensors");
     candle_core::safetensors::save(&map, &file).unwrap();
-    let back = Weights::load(&file, cfg.model.n_head).unwrap();
+    let back = Weights::load(&file, &cfg.model).unwrap();
     assert_eq!(back.config, cfg.model);
     // No checksum: it loads, unverified, with a note for the user.
     assert_eq!(back.integrity, Integrity::Unverified);
@@ -327,7 +331,7 @@ fn a_nanogpt_state_dict_without_metadata_loads_with_its_tied_head() {
 }
 
 /// [`run_cfg`] over 257 ids (which tp = 2 and 3 pad to 258 rows), 6 heads.
-fn vocab_257(pp: usize, tp: usize, tied: bool) -> TrainConfig {
+fn vocab_257(pp: usize, tp: usize, tied: bool) -> TrainConfig<GptConfig> {
     let mut c = run_cfg(1, pp, tp, "1f1b");
     c.model.vocab_size = 257;
     c.model.d_model = 24;
@@ -374,14 +378,14 @@ fn a_padded_vocabulary_exports_its_logical_tables() {
     let mut cfg = cfg;
     cfg.steps = 2;
     run(&cfg, &dir, 0, None).unwrap();
-    let from_ckpt = Weights::load(&dir, cfg.model.n_head).unwrap();
+    let from_ckpt = Weights::load(&dir, &cfg.model).unwrap();
     assert_eq!(from_ckpt.config, cfg.model);
     let file = dir.join("model.safetensors");
     from_ckpt.export(&file).unwrap();
     let raw = candle_core::safetensors::load(&file, &candle_core::Device::Cpu).unwrap();
     assert_eq!(raw["transformer.wte.weight"].dims(), [257, 24]);
     assert_eq!(raw["lm_head.weight"].dims(), [257, 24]);
-    let from_file = Weights::load(&file, 99).unwrap();
+    let from_file = Weights::load(&file, &GptConfig::default()).unwrap();
     assert_eq!(from_file.config, cfg.model);
     // `--init` from it at tp = 3 starts where the single-device reference starts.
     let mut fresh = vocab_257(1, 3, false);

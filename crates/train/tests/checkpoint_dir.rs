@@ -11,6 +11,7 @@ use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 use common::*;
+use switchyard_models::GptConfig;
 use switchyard_train::checkpoint::{self, Checkpoint};
 use switchyard_train::data::Corpus;
 use switchyard_train::{train, Resume, TrainConfig, TrainOptions, TrainReport};
@@ -22,7 +23,7 @@ fn scratch(name: &str) -> PathBuf {
     d
 }
 
-fn cfg(steps: usize) -> TrainConfig {
+fn cfg(steps: usize) -> TrainConfig<GptConfig> {
     let mut c = tiny(1, 2, 1, "1f1b");
     c.steps = steps;
     c
@@ -38,7 +39,7 @@ fn opts(dir: &Path, save_every: usize, keep: usize, resume: Option<Resume>) -> T
     }
 }
 
-fn run(cfg: &TrainConfig, opts: &TrainOptions) -> anyhow::Result<TrainReport> {
+fn run(cfg: &TrainConfig<GptConfig>, opts: &TrainOptions) -> anyhow::Result<TrainReport> {
     train(cfg, &Corpus::bundled(), opts)
 }
 

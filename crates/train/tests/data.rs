@@ -4,11 +4,12 @@
 mod common;
 
 use common::tiny;
+use switchyard_models::GptConfig;
 use switchyard_train::data::{self, Corpus, DataSpec, Dataset};
 use switchyard_train::{train, TrainConfig, TrainOptions};
 
 /// `tiny` with the same global batch on every layout, validating after every step.
-fn cfg(dp: usize, pp: usize, tp: usize, schedule: &str) -> TrainConfig {
+fn cfg(dp: usize, pp: usize, tp: usize, schedule: &str) -> TrainConfig<GptConfig> {
     let mut c = tiny(dp, pp, tp, schedule);
     c.batch = 8;
     c.steps = 2;
@@ -17,7 +18,7 @@ fn cfg(dp: usize, pp: usize, tp: usize, schedule: &str) -> TrainConfig {
     c
 }
 
-fn val_losses(cfg: &TrainConfig, data: &dyn Dataset) -> Vec<f64> {
+fn val_losses(cfg: &TrainConfig<GptConfig>, data: &dyn Dataset) -> Vec<f64> {
     let report = train(cfg, data, &TrainOptions::default()).unwrap();
     report
         .steps
@@ -74,7 +75,7 @@ fn sequential_sampling_trains_the_same_on_every_layout() {
         c.shuffle = false;
         c
     };
-    let run = |c: &TrainConfig| -> Vec<f64> {
+    let run = |c: &TrainConfig<GptConfig>| -> Vec<f64> {
         let r = train(c, &data, &TrainOptions::default()).unwrap();
         r.steps.iter().map(|s| s.loss).collect()
     };

@@ -10,6 +10,7 @@
 mod common;
 
 use common::*;
+use switchyard_models::GptConfig;
 use switchyard_train::data::Corpus;
 use switchyard_train::{train, TrainConfig, TrainOptions};
 
@@ -103,7 +104,13 @@ fn tied_embeddings_across_stages_match() {
 
 /// [`tiny`] over a vocabulary of 257 ids, which neither tp = 2 nor tp = 3 divides (padded
 /// to 258 and 258 rows), with 6 heads so that both degrees hold whole heads.
-fn vocab_257(dp: usize, pp: usize, tp: usize, schedule: &str, tied: bool) -> TrainConfig {
+fn vocab_257(
+    dp: usize,
+    pp: usize,
+    tp: usize,
+    schedule: &str,
+    tied: bool,
+) -> TrainConfig<GptConfig> {
     let mut cfg = tiny(dp, pp, tp, schedule);
     cfg.model.vocab_size = 257;
     cfg.model.d_model = 24;

@@ -6,6 +6,7 @@ mod common;
 use std::path::PathBuf;
 
 use common::*;
+use switchyard_models::GptConfig;
 use switchyard_train::data::Corpus;
 use switchyard_train::{train, TrainOptions};
 
@@ -154,7 +155,7 @@ fn a_non_finite_loss_stops_the_run_naming_the_step_and_rank() {
 fn invalid_layouts_are_refused_before_any_worker_starts() {
     for (f, want) in [
         (
-            (|c: &mut switchyard_train::TrainConfig| c.tp = 3) as fn(&mut _),
+            (|c: &mut switchyard_train::TrainConfig<GptConfig>| c.tp = 3) as fn(&mut _),
             "does not divide the 4 attention heads",
         ),
         (|c| c.pp = 16, "16 stages but the model has only 8 layers"),

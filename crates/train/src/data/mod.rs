@@ -186,7 +186,7 @@ pub struct Sampler {
 
 impl Sampler {
     /// The sampler of a run.
-    pub fn of(cfg: &crate::TrainConfig) -> Sampler {
+    pub fn of<M>(cfg: &crate::TrainConfig<M>) -> Sampler {
         Sampler {
             seed: cfg.seed,
             seq_len: cfg.seq_len,
@@ -196,7 +196,7 @@ impl Sampler {
     }
 
     /// The validation batches of a run: sequential windows.
-    pub fn validation(cfg: &crate::TrainConfig) -> Sampler {
+    pub fn validation<M>(cfg: &crate::TrainConfig<M>) -> Sampler {
         Sampler {
             shuffle: false,
             ..Sampler::of(cfg)

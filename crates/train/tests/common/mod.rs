@@ -7,6 +7,7 @@ use std::collections::HashMap;
 
 use candle_core::{DType, Tensor};
 use switchyard_comm::local::Launcher;
+use switchyard_models::GptConfig;
 use switchyard_models::{plan_stages, GptStage, LayerCosts, ReferenceGpt, SplitSpec};
 use switchyard_shard::{single_device, ParamSource, ParamStore};
 use switchyard_train::data::{Corpus, Dataset, Sampler};
@@ -14,8 +15,8 @@ use switchyard_train::optim::{sum_sq, AdamW, LrSchedule};
 use switchyard_train::{TrainConfig, Worker};
 
 /// A model small enough for 8 layers on 8 threads to train in milliseconds.
-pub fn tiny(dp: usize, pp: usize, tp: usize, schedule: &str) -> TrainConfig {
-    let mut c = TrainConfig::default();
+pub fn tiny(dp: usize, pp: usize, tp: usize, schedule: &str) -> TrainConfig<GptConfig> {
+    let mut c = TrainConfig::<GptConfig>::default();
     c.model.n_layer = 8;
     c.model.d_model = 16;
     c.model.n_head = 4;
@@ -37,7 +38,7 @@ pub fn tiny(dp: usize, pp: usize, tp: usize, schedule: &str) -> TrainConfig {
 }
 
 /// The initial full weights of `cfg` by name, as one device holds them.
-pub fn initial_weights(cfg: &TrainConfig) -> HashMap<String, Tensor> {
+pub fn initial_weights(cfg: &TrainConfig<GptConfig>) -> HashMap<String, Tensor> {
     let store = ParamStore::new(DType::F32, 0, 1, ParamSource::Init { seed: cfg.seed }).unwrap();
     let flat = LayerCosts::uniform(cfg.model.n_layer, 0.0, 1.0, 0.0);
     let plan = plan_stages(&flat, 1, &SplitSpec::Even).unwrap();
@@ -51,7 +52,7 @@ pub fn initial_weights(cfg: &TrainConfig) -> HashMap<String, Tensor> {
 
 /// The reference's loss and gradients on step `step`'s global batch.
 pub fn reference_step(
-    cfg: &TrainConfig,
+    cfg: &TrainConfig<GptConfig>,
     weights: &HashMap<String, Tensor>,
     step: usize,
 ) -> (f64, HashMap<String, Tensor>) {
@@ -63,7 +64,7 @@ pub fn reference_step(
 }
 
 /// The reference trained for `cfg.steps` steps with the trainer's optimizer rules.
-pub fn reference_curve(cfg: &TrainConfig) -> Vec<f64> {
+pub fn reference_curve(cfg: &TrainConfig<GptConfig>) -> Vec<f64> {
     let model = ReferenceGpt::new(&cfg.model, &initial_weights(cfg)).unwrap();
     let mut names: Vec<&String> = model.params().keys().collect();
     names.sort();
@@ -103,7 +104,7 @@ pub fn reference_curve(cfg: &TrainConfig) -> Vec<f64> {
 
 /// One parallel step of `cfg`: the job's mean loss and every full gradient by name
 /// (after the tied and data-parallel sums, before clipping).
-pub fn parallel_step(cfg: &TrainConfig, step: usize) -> (f64, HashMap<String, Tensor>) {
+pub fn parallel_step(cfg: &TrainConfig<GptConfig>, step: usize) -> (f64, HashMap<String, Tensor>) {
     let corpus = Corpus::bundled();
     let outs = Launcher::new(cfg.world_size())
         .threads_per_worker(1)
@@ -155,7 +156,7 @@ pub fn rel_err(a: &Tensor, b: &Tensor) -> f64 {
 }
 
 /// Checks one step of `cfg` against the reference: loss and every gradient within `tol`.
-pub fn assert_step_parity(cfg: &TrainConfig, tol: f64) {
+pub fn assert_step_parity(cfg: &TrainConfig<GptConfig>, tol: f64) {
     let weights = initial_weights(cfg);
     let (want_loss, want) = reference_step(cfg, &weights, 0);
     let (loss, got) = parallel_step(cfg, 0);
@@ -184,7 +185,10 @@ pub fn assert_step_parity(cfg: &TrainConfig, tol: f64) {
 
 /// Trains `cfg` for `steps` steps and returns, for every parameter with a padded
 /// vocabulary (`ShardSpec::Padded`), its padding rows on every rank that holds any.
-pub fn padding_after_steps(cfg: &TrainConfig, steps: usize) -> Vec<(String, Vec<Vec<f32>>)> {
+pub fn padding_after_steps(
+    cfg: &TrainConfig<GptConfig>,
+    steps: usize,
+) -> Vec<(String, Vec<Vec<f32>>)> {
     let corpus = Corpus::bundled();
     let outs = Launcher::new(cfg.world_size())
         .threads_per_worker(1)

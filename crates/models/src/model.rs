@@ -1,0 +1,146 @@
+//! What a trainer needs from a model, as two small traits.
+//!
+//! A [`Model`] is implemented by a model's *config* (candle style: the config builds the
+//! modules). It says how many layers a pipeline split divides, how to build one stage of
+//! one rank on a tensor-parallel group, what each layer costs, which parameters several
+//! stages share, and how its parameters are named and shaped. The stage it builds is a
+//! [`ModelStage`]: a `switchyard_pipeline::Stage` that also scores the last stage's
+//! output. Nothing here knows about data parallelism, optimizers or checkpoints; the
+//! trainer derives all of that from the parameters' names, full shapes and specs.
+
+use std::collections::HashMap;
+use std::fmt::Debug;
+
+use candle_core::{DType, Tensor};
+use serde::{de::DeserializeOwned, Serialize};
+use switchyard_shard::{single_device, ParamSource, ParamStore, TpGroup};
+
+use crate::{plan_stages, LayerCosts, ModelError, SplitSpec, StagePlan};
+
+/// A model the trainer can build on any `dp × pp × tp` layout.
+///
+/// Contract: [`Model::stage`] creates its parameters in the given store under names
+/// that do not depend on the layout (so checkpoints reshard), with full shapes and
+/// `ShardSpec`s that describe how the tensor-parallel group divides them, and draws
+/// their initial values from the store's source (so every layout starts from the same
+/// weights).
+pub trait Model:
+    Clone + PartialEq + Debug + Default + Serialize + DeserializeOwned + Send + Sync + 'static
+{
+    /// The kind of model, recorded in checkpoints and exports; loading one of another
+    /// kind is refused naming both.
+    const NAME: &'static str;
+    /// What one pipeline stage of one rank runs.
+    type Stage: ModelStage;
+
+    /// The layers a pipeline split divides among stages (parts that only the first or
+    /// the last stage runs, such as embeddings and a head, are not layers).
+    fn layers(&self) -> usize;
+
+    /// Builds stage `plan` of this rank: its parameters go into `store`, its collectives
+    /// into `tp`. Called once per stage the rank runs, in stage order, on one store
+    /// (the virtual stages of a rank share it: use `Builder::shared` for a tied
+    /// parameter another stage of the rank may already have created).
+    fn stage(
+        &self,
+        plan: &StagePlan,
+        store: &ParamStore,
+        tp: TpGroup,
+    ) -> candle_core::Result<Self::Stage>;
+
+    /// Refuses a config that cannot build a model (zero or overflowing dimensions),
+    /// whatever the layout.
+    fn validate(&self) -> Result<(), ModelError> {
+        Ok(())
+    }
+
+    /// Refuses a layout this config cannot run: a tensor-parallel degree that does not
+    /// divide what must be divided, a sequence longer than the model can take.
+    fn check_layout(&self, _tp: usize, _seq_len: usize) -> Result<(), ModelError> {
+        Ok(())
+    }
+
+    /// Training cost per token of each part, for balanced splits (and planners).
+    /// Default: every layer alike, embeddings and head free.
+    fn costs(&self, _seq_len: usize) -> LayerCosts {
+        LayerCosts::uniform(self.layers(), 0.0, 1.0, 0.0)
+    }
+
+    /// Parameters used by several of `num_stages` stages (a token embedding tied to the
+    /// LM head). Default: none.
+    fn tied(&self, _num_stages: usize) -> Vec<Tied> {
+        Vec::new()
+    }
+
+    /// When the first stage reads token ids: the size of the vocabulary, which the
+    /// data must stay below. `None`: the model takes any token ids.
+    fn vocab_size(&self) -> Option<usize> {
+        None
+    }
+
+    /// Every parameter's name and full shape, in creation order. Default: builds the
+    /// whole model as one stage at tensor-parallel degree 1 on a throw-away store, which
+    /// allocates it; a large model should override this with arithmetic.
+    fn param_shapes(&self) -> Result<Vec<(String, Vec<usize>)>, ModelError> {
+        self.validate()?;
+        let plans = plan_stages(&self.costs(1), 1, &SplitSpec::Even)?;
+        let store = ParamStore::new(DType::F32, 0, 1, ParamSource::Init { seed: 0 })
+            .map_err(|e| ModelError::Config(e.to_string()))?;
+        self.stage(&plans[0], &store, single_device())
+            .map_err(|e| ModelError::Config(e.to_string()))?;
+        Ok(store
+            .params()
+            .into_iter()
+            .map(|p| (p.name, p.full_shape))
+            .collect())
+    }
+
+    /// All parameters, counting a tied one once (saturating; `usize::MAX` when
+    /// [`Model::param_shapes`] fails).
+    fn param_count(&self) -> usize {
+        match self.param_shapes() {
+            Ok(shapes) => shapes.iter().fold(0usize, |n, (_, s)| {
+                n.saturating_add(s.iter().fold(1usize, |a, &d| a.saturating_mul(d)))
+            }),
+            Err(_) => usize::MAX,
+        }
+    }
+
+    /// Reads a state dict (a file without switchyard's metadata, such as a PyTorch
+    /// export) as this kind of model: its config, with `self` as the hint for what the
+    /// shapes cannot say, and its parameters under this model's names. Default: the
+    /// config is `self`, the names are the model's own.
+    fn import(
+        &self,
+        tensors: HashMap<String, Tensor>,
+    ) -> Result<(Self, HashMap<String, Tensor>), ModelError> {
+        Ok((self.clone(), tensors))
+    }
+
+    /// Adds the aliases an exported state dict carries besides the parameters (GPT:
+    /// a tied `lm_head.weight`). Default: none.
+    fn export(&self, _tensors: &mut Vec<(String, Tensor)>) -> Result<(), ModelError> {
+        Ok(())
+    }
+}
+
+/// A pipeline stage of a [`Model`] that, when it is the last stage, scores its output.
+pub trait ModelStage: switchyard_pipeline::Stage {
+    /// The mean loss of the last stage's `out` against `target` over the microbatch,
+    /// identical on every tensor-parallel rank.
+    fn loss(&self, out: &Tensor, target: &Tensor) -> candle_core::Result<Tensor>;
+}
+
+/// One parameter that several stages use (a token embedding tied to the LM head).
+///
+/// Every listed stage creates a parameter of this name with the same full shape, spec
+/// and initial values. The first listed stage owns it (it counts toward the gradient
+/// norm and goes into checkpoints); the trainer sums the copies' gradients over the
+/// ranks that hold them, so the copies stay equal. Stages on one rank share one
+/// variable and need no sum.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Tied {
+    pub name: String,
+    /// The stages that use it, the owner first.
+    pub stages: Vec<usize>,
+}
