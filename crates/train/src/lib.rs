@@ -55,6 +55,7 @@ pub mod export;
 pub mod optim;
 mod report;
 pub mod run_dir;
+pub mod testing;
 mod trainer;
 pub mod weights;
 mod worker;

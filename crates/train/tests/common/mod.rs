@@ -5,14 +5,14 @@
 
 use std::collections::HashMap;
 
-use candle_core::{DType, Tensor};
+use candle_core::Tensor;
 use switchyard_comm::local::Launcher;
 use switchyard_models::GptConfig;
-use switchyard_models::{plan_stages, GptStage, LayerCosts, ReferenceGpt, SplitSpec};
-use switchyard_shard::{single_device, ParamSource, ParamStore};
+use switchyard_models::ReferenceGpt;
+use switchyard_shard::ParamSource;
 use switchyard_train::data::{Corpus, Dataset, Sampler};
 use switchyard_train::optim::{sum_sq, AdamW, LrSchedule};
-use switchyard_train::{TrainConfig, Worker};
+use switchyard_train::{testing, TrainConfig, Worker};
 
 /// A model small enough for 8 layers on 8 threads to train in milliseconds.
 pub fn tiny(dp: usize, pp: usize, tp: usize, schedule: &str) -> TrainConfig<GptConfig> {
@@ -39,15 +39,7 @@ pub fn tiny(dp: usize, pp: usize, tp: usize, schedule: &str) -> TrainConfig<GptC
 
 /// The initial full weights of `cfg` by name, as one device holds them.
 pub fn initial_weights(cfg: &TrainConfig<GptConfig>) -> HashMap<String, Tensor> {
-    let store = ParamStore::new(DType::F32, 0, 1, ParamSource::Init { seed: cfg.seed }).unwrap();
-    let flat = LayerCosts::uniform(cfg.model.n_layer, 0.0, 1.0, 0.0);
-    let plan = plan_stages(&flat, 1, &SplitSpec::Even).unwrap();
-    GptStage::new(&cfg.model, &plan[0], &store, single_device()).unwrap();
-    store
-        .params()
-        .into_iter()
-        .map(|p| (p.name, p.var.as_tensor().copy().unwrap()))
-        .collect()
+    testing::initial_weights(cfg).unwrap().into_iter().collect()
 }
 
 /// The reference's loss and gradients on step `step`'s global batch.
@@ -105,54 +97,14 @@ pub fn reference_curve(cfg: &TrainConfig<GptConfig>) -> Vec<f64> {
 /// One parallel step of `cfg`: the job's mean loss and every full gradient by name
 /// (after the tied and data-parallel sums, before clipping).
 pub fn parallel_step(cfg: &TrainConfig<GptConfig>, step: usize) -> (f64, HashMap<String, Tensor>) {
-    let corpus = Corpus::bundled();
-    let outs = Launcher::new(cfg.world_size())
-        .threads_per_worker(1)
-        .run(|world| {
-            let w = Worker::new(world, cfg, &corpus, ParamSource::Init { seed: cfg.seed })?;
-            let (mut grads, losses, _) = w.compute_grads(step)?;
-            w.sync_grads(&mut grads)?;
-            let full = w.full_grads(&grads)?;
-            Ok::<_, anyhow::Error>((w.mesh.coord, full, losses))
-        })
-        .unwrap_or_else(|e| panic!("{e}"));
-    let mut grads = HashMap::new();
-    let mut losses = Vec::new();
-    for (coord, full, l) in outs {
-        if coord.tp == 0 {
-            losses.extend(l);
-        }
-        if coord.dp == 0 {
-            grads.extend(full);
-        }
-    }
-    assert_eq!(
-        losses.len(),
-        cfg.microbatches * cfg.dp,
-        "one loss per microbatch"
-    );
-    (losses.iter().sum::<f64>() / losses.len() as f64, grads)
+    let out =
+        testing::parallel_step(cfg, &Corpus::bundled(), step).unwrap_or_else(|e| panic!("{e:#}"));
+    (out.loss, out.grads.into_iter().collect())
 }
 
 /// `max |a − b| / max |b|` over the tensor.
 pub fn rel_err(a: &Tensor, b: &Tensor) -> f64 {
-    assert_eq!(a.dims(), b.dims());
-    let diff = (a - b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap() as f64;
-    let scale = b
-        .abs()
-        .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap() as f64;
-    diff / scale.max(f64::MIN_POSITIVE)
+    testing::rel_err(a, b).unwrap()
 }
 
 /// Checks one step of `cfg` against the reference: loss and every gradient within `tol`.
