@@ -11,9 +11,9 @@ static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, Criterion, Throughput};
+use switchyard::bench::{cases, config, Preset};
 use switchyard::comm::local::Launcher;
 use switchyard::shard::ParamSource;
-use switchyard::train::bench::{cases, config, Preset};
 use switchyard::train::data::Corpus;
 use switchyard::train::Worker;
 

@@ -26,6 +26,7 @@
 //! | [`pipeline`] | switchyard-pipeline | the `Stage` trait and the executor |
 //! | [`models`] | switchyard-models | the GPT and MLP, their plans, the plain reference GPT |
 //! | [`train`] | switchyard-train | the trainer |
+//! | [`bench`](mod@bench) | (here) | the end-to-end table behind `switchyard bench`, on the GPT |
 
 pub use switchyard_comm as comm;
 pub use switchyard_models as models;
@@ -34,6 +35,8 @@ pub use switchyard_pipeline as pipeline;
 pub use switchyard_schedule as schedule;
 pub use switchyard_shard as shard;
 pub use switchyard_train as train;
+
+pub mod bench;
 
 /// A memory allocator that keeps freed memory for reuse instead of returning it to the
 /// kernel at once, so the same large tensors allocated every step cost no page faults.

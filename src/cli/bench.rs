@@ -1,5 +1,5 @@
 //! `switchyard bench`: the reference workload on one worker and on every parallel layout,
-//! as a table (see `switchyard_train::bench` and `docs/PERFORMANCE.md`).
+//! as a table (see `switchyard::bench` and `docs/PERFORMANCE.md`).
 //!
 //! Each row runs in a fresh child process (this same binary with `--row`), so that every
 //! layout starts from a clean allocator and its peak memory is its own; `--in-process`
@@ -10,7 +10,7 @@ use std::process::Command;
 
 use anyhow::{anyhow, bail, Context};
 use clap::Args;
-use switchyard_train::bench::{cases, fma_peak_gflops, run_case, Preset, Report, Row};
+use switchyard::bench::{cases, fma_peak_gflops, run_case, Preset, Report, Row};
 
 #[derive(Args)]
 pub struct BenchArgs {

@@ -196,7 +196,7 @@ struct FileOnly {
 
 /// A `--config` file's settings: the run's, the file-only keys, and whether it sets the
 /// model's vocabulary.
-fn load_file(path: &Path) -> anyhow::Result<(TrainConfig, FileOnly, bool)> {
+fn load_file(path: &Path) -> anyhow::Result<(TrainConfig<GptConfig>, FileOnly, bool)> {
     let text = std::fs::read_to_string(path)
         .with_context(|| format!("cannot read --config {}", path.display()))?;
     let mut table: toml::Table = text
@@ -253,7 +253,9 @@ pub struct DataChoice {
 }
 
 /// The configuration and options `a` describes.
-pub fn resolve(a: &TrainArgs) -> anyhow::Result<(TrainConfig, DataChoice, TrainOptions)> {
+pub fn resolve(
+    a: &TrainArgs,
+) -> anyhow::Result<(TrainConfig<GptConfig>, DataChoice, TrainOptions)> {
     let (mut c, file, vocab_in_file) = match &a.config {
         Some(p) => load_file(p)?,
         None => (

@@ -3,7 +3,7 @@
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use switchyard_comm::MeshShape;
-use switchyard_models::{plan_stages, GptConfig, Model, SplitSpec};
+use switchyard_models::{plan_stages, Model, SplitSpec};
 use switchyard_schedule::{generate, lower, validate, Program, ScheduleChoice, ScheduleKind};
 
 use crate::optim::{AdamWConfig, Decay};
@@ -19,7 +19,7 @@ use crate::optim::{AdamWConfig, Decay};
         deserialize = "M: DeserializeOwned + Default"
     )
 )]
-pub struct TrainConfig<M = GptConfig> {
+pub struct TrainConfig<M> {
     pub model: M,
     pub dp: usize,
     pub pp: usize,
@@ -542,7 +542,7 @@ mod tests {
     use super::*;
 
     /// The trainer's checks, on the GPT.
-    type TrainConfig = super::TrainConfig<GptConfig>;
+    type TrainConfig = super::TrainConfig<switchyard_models::GptConfig>;
 
     fn sched(text: &str) -> ScheduleChoice {
         text.parse().unwrap()

@@ -1,19 +1,22 @@
-//! # switchyard-train: 3D-parallel training of the GPT
+//! # switchyard-train: 3D-parallel training of any model
 //!
 //! The trainer puts the other crates together. For a `dp × pp × tp` layout it starts one
-//! worker per rank, derives the mesh's groups, builds each rank's pipeline stages from
-//! `switchyard-models` with tensor-parallel layers from `switchyard-shard`, and runs each
-//! step's schedule program from `switchyard-schedule` with the executor of
-//! `switchyard-pipeline`. Then it sums tied-embedding gradients across the first and last
-//! stage, averages gradients over data-parallel replicas in buckets, clips by the global
+//! worker per rank, derives the mesh's groups, builds each rank's pipeline stages through
+//! the [`switchyard_models::Model`] trait (the model's config builds a stage from
+//! tensor-parallel layers of `switchyard-shard`), and runs each step's schedule program
+//! from `switchyard-schedule` with the executor of `switchyard-pipeline`. Then it sums the
+//! gradients of parameters the model ties across stages (a token table shared with the
+//! LM head), averages gradients over data-parallel replicas in buckets, clips by the global
 //! gradient norm, and takes an AdamW step with warm-up and cosine decay. Everything is
 //! seeded, so every layout trains the same model as one device would — the parity tests
-//! in `tests/parity.rs` hold it to that.
+//! in `tests/parity.rs` (the GPT) and `tests/parity_mlp.rs` (an MLP) hold it to that.
 //!
 //! * [`TrainConfig`]: the run, with [`TrainConfig::validate`] refusing every bad layout
 //!   before any worker starts, saying what to change.
 //! * [`train`]: the loop over all ranks on threads; rank 0 reports the job's loss.
 //! * [`Worker`]: one rank's state and step, for tests and custom loops.
+//! * [`testing`]: one step of any layout, its loss and every gradient by name, compared
+//!   with another layout or a hand-written loop (parity tests for a model of your own).
 //! * [`data`]: the [`data::Dataset`] trait and its sampler (deterministic batches, the
 //!   same on every layout), byte-level text, nanoGPT token files, tokenizer text, the
 //!   validation split and evaluation windows.
@@ -47,7 +50,6 @@
 //! * [Chapter 7, "Checkpoints"](https://github.com/switchyard-rs/switchyard/blob/main/docs/tutorial/07-checkpoints.md): resume, reshard,
 //!   export (example `checkpoints`).
 
-pub mod bench;
 pub mod checkpoint;
 mod config;
 pub mod data;

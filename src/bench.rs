@@ -17,8 +17,8 @@ use serde::{Deserialize, Serialize};
 use switchyard_models::{GptConfig, SplitSpec};
 use switchyard_schedule::{ScheduleChoice, ScheduleKind};
 
-use crate::data::Corpus;
-use crate::{train, TrainConfig, TrainOptions};
+use switchyard_train::data::Corpus;
+use switchyard_train::{train, TrainConfig, TrainOptions};
 
 /// A workload: the model, the batch, and how many steps to time.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -172,7 +172,7 @@ pub fn cases(p: &Preset) -> Vec<Case> {
 }
 
 /// The training configuration of one case.
-pub fn config(p: &Preset, c: &Case) -> TrainConfig {
+pub fn config(p: &Preset, c: &Case) -> TrainConfig<GptConfig> {
     TrainConfig {
         model: p.model.clone(),
         dp: c.dp,
