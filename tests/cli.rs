@@ -451,6 +451,16 @@ fn a_damaged_export_is_refused_by_eval_sample_and_init_and_a_foreign_file_loads_
     assert!(good.status.success());
     assert!(!String::from_utf8_lossy(&good.stderr).contains("note:"));
 
+    // Weights of another shape: the library says what differs, the command which flags.
+    let mut other = tiny(&["--steps", "1", "--init", model.to_str().unwrap()]);
+    let at = other.iter().position(|a| a == "--layers").unwrap();
+    other[at + 1] = "3".into();
+    let e = fails(&strs(&other));
+    assert!(
+        e.contains("but this run builds") && e.contains("pass matching --d-model, --layers"),
+        "{e}"
+    );
+
     // 64 flipped bytes in the middle of the tensor data.
     let bytes = std::fs::read(&model).unwrap();
     let mut damaged = bytes.clone();

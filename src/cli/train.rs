@@ -9,7 +9,7 @@ use switchyard_models::SplitSpec;
 use switchyard_schedule::{ScheduleChoice, ScheduleKind};
 use switchyard_train::data::{self, Corpus, DataSpec, Dataset, TokenWidth};
 use switchyard_train::optim::Decay;
-use switchyard_train::{train, train_rank, Resume, TrainConfig, TrainOptions};
+use switchyard_train::{train, train_rank, Resume, TrainConfig, TrainError, TrainOptions};
 
 #[derive(Args, Default)]
 pub struct TrainArgs {
@@ -416,7 +416,7 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
         );
     }
     let report = match a.backend {
-        Backend::Local => train(&cfg, &corpus, &opts)?,
+        Backend::Local => train(&cfg, &corpus, &opts).map_err(with_flag_advice)?,
         Backend::Mpi => match run_mpi(&cfg, &corpus, &opts, threads)? {
             Some(report) => report,
             None => return Ok(()),
@@ -458,6 +458,18 @@ fn run_mpi(
     let pool = switchyard_comm::threads::worker_pool(threads).map_err(anyhow::Error::msg)?;
     match pool.install(|| train_rank(world, cfg, corpus, opts)) {
         Ok(report) => Ok(report),
-        Err(e) => switchyard_comm::mpi::abort(1, &format!("{e:#}")),
+        Err(e) => switchyard_comm::mpi::abort(1, &format!("{:#}", with_flag_advice(e))),
+    }
+}
+
+/// The trainer's error, with what to pass on this command line where the library can
+/// only say what differs (it knows no flags of the GPT).
+fn with_flag_advice(e: TrainError) -> anyhow::Error {
+    match e {
+        TrainError::ModelMismatch { path, have, want } => anyhow::anyhow!(
+            "{path} holds a model {have}, but this run builds {want}: pass matching \
+             --d-model, --layers, --heads (and --tied)"
+        ),
+        e => e.into(),
     }
 }

@@ -39,7 +39,7 @@ use std::fs;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use anyhow::{anyhow, bail, Context, Result};
+use crate::error::{err, fail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use serde::{Deserialize, Serialize};
 use switchyard_shard::ShardSpec;
@@ -121,7 +121,8 @@ impl Manifest {
     /// kind of model, or a model config that does not read as `M`'s.
     pub fn config_of<M: Model>(&self) -> Result<TrainConfig<M>> {
         if !self.model_kind.is_empty() && self.model_kind != M::NAME {
-            bail!(
+            fail!(
+                Checkpoint,
                 "the checkpoint holds a {} model, not a {} model",
                 self.model_kind,
                 M::NAME
@@ -129,7 +130,8 @@ impl Manifest {
         }
         let value = serde_json::to_value(&self.config)?;
         serde_json::from_value(value).map_err(|e| {
-            anyhow!(
+            err!(
+                Checkpoint,
                 "the checkpoint's model config does not read as a {} model's: {e}",
                 M::NAME
             )
@@ -212,8 +214,13 @@ pub fn write_rank_file(
             tp_size: s.tp_size,
         });
     }
-    let bytes = safetensors::serialize(map.iter().map(|(k, v)| (k.as_str(), v)), None)
-        .map_err(|e| anyhow!("cannot serialise the shards of pp {pp} tp {tp}: {e}"))?;
+    let bytes =
+        safetensors::serialize(map.iter().map(|(k, v)| (k.as_str(), v)), None).map_err(|e| {
+            err!(
+                Checkpoint,
+                "cannot serialise the shards of pp {pp} tp {tp}: {e}"
+            )
+        })?;
     let file = file_name(pp, tp);
     write_atomic(&staging.join(&file), &bytes)?;
     Ok(FileEntry {
@@ -306,13 +313,15 @@ pub fn read_manifest(path: &Path) -> Result<Manifest> {
     let mpath = path.join(MANIFEST);
     let text = fs::read(&mpath).with_context(|| format!("cannot read {}", mpath.display()))?;
     let manifest: Manifest = serde_json::from_slice(&text).map_err(|e| {
-        anyhow!(
+        err!(
+            Checkpoint,
             "{} is not a valid switchyard manifest: {e}",
             mpath.display()
         )
     })?;
     if manifest.format != FORMAT {
-        bail!(
+        fail!(
+            Checkpoint,
             "{}: format {:?}, expected {FORMAT:?}",
             mpath.display(),
             manifest.format
@@ -325,7 +334,7 @@ pub fn read_manifest(path: &Path) -> Result<Manifest> {
         .and_then(|n| n.parse::<usize>().ok());
     if let Some(n) = named {
         if n != manifest.step {
-            bail!(
+            fail!(Checkpoint,
                 "{} says step {}, but its directory is step {n}: the checkpoint is inconsistent; resume from another step",
                 mpath.display(),
                 manifest.step
@@ -344,14 +353,16 @@ pub fn locate(dir: &Path, step: Option<usize>) -> Result<PathBuf> {
     let chosen = match step {
         Some(s) => all.iter().find(|(n, _)| *n == s).ok_or_else(|| {
             let have: Vec<String> = all.iter().map(|(n, _)| n.to_string()).collect();
-            anyhow!(
+            err!(
+                Checkpoint,
                 "{} has no complete checkpoint of step {s} (it has: {})",
                 dir.display(),
                 have.join(", ")
             )
         })?,
         None => all.last().ok_or_else(|| {
-            anyhow!(
+            err!(
+                Checkpoint,
                 "{} holds no complete checkpoint (no step-N/{MANIFEST})",
                 dir.display()
             )
@@ -374,14 +385,16 @@ impl Checkpoint {
         for f in &manifest.files {
             let fpath = path.join(&f.file);
             let bytes = fs::read(&fpath).map_err(|e| {
-                anyhow!(
+                err!(
+                    Checkpoint,
                     "{} is missing {} listed in its manifest: {e}",
                     path.display(),
                     f.file
                 )
             })?;
             if bytes.len() as u64 != f.bytes {
-                bail!(
+                fail!(
+                    Checkpoint,
                     "{} is truncated or corrupt: {} bytes, the manifest says {}",
                     fpath.display(),
                     bytes.len(),
@@ -390,7 +403,8 @@ impl Checkpoint {
             }
             let h = fnv64(&bytes);
             if h != f.fnv64 {
-                bail!(
+                fail!(
+                    Checkpoint,
                     "{} is corrupt: its checksum is {h}, the manifest says {}",
                     fpath.display(),
                     f.fnv64
@@ -398,7 +412,8 @@ impl Checkpoint {
             }
             let tensors =
                 candle_core::safetensors::load_buffer(&bytes, &Device::Cpu).map_err(|e| {
-                    anyhow!(
+                    err!(
+                        Checkpoint,
                         "{} is not a readable safetensors file: {e}",
                         fpath.display()
                     )
@@ -410,13 +425,15 @@ impl Checkpoint {
                     (format!("{}{MOMENT_V}", t.name), DType::F64),
                 ] {
                     let Some(x) = tensors.get(&key) else {
-                        bail!(
+                        fail!(
+                            Checkpoint,
                             "{} has no tensor {key}, which its manifest lists",
                             fpath.display()
                         );
                     };
                     if x.dims() != t.shape.as_slice() || x.dtype() != dtype {
-                        bail!(
+                        fail!(
+                            Checkpoint,
                             "{}: {key} is {:?} {:?}, the manifest says {:?} {dtype:?}",
                             fpath.display(),
                             x.dims(),
@@ -462,7 +479,7 @@ impl Checkpoint {
                     _ => {
                         let ranks: Vec<usize> = shards.iter().map(|(t, _)| t.tp_rank).collect();
                         if ranks != (0..first.tp_size).collect::<Vec<_>>() {
-                            bail!(
+                            fail!(Checkpoint,
                                 "{}: parameter {name} has shards of tensor ranks {ranks:?}, expected 0..{}",
                                 self.path.display(),
                                 first.tp_size
@@ -472,7 +489,8 @@ impl Checkpoint {
                     }
                 };
                 if full.dims() != first.full_shape.as_slice() {
-                    bail!(
+                    fail!(
+                        Checkpoint,
                         "{}: parameter {name} merges to {:?}, the manifest says {:?}",
                         self.path.display(),
                         full.dims(),

@@ -6,6 +6,7 @@ use switchyard_comm::MeshShape;
 use switchyard_models::{plan_stages, Model, SplitSpec};
 use switchyard_schedule::{generate, lower, validate, Program, ScheduleChoice, ScheduleKind};
 
+use crate::error::{err, TrainError};
 use crate::optim::{AdamWConfig, Decay};
 
 /// Everything a run needs, for a model whose config is `M` (a [`Model`]).
@@ -121,56 +122,64 @@ impl<M> TrainConfig<M> {
     }
 
     /// The lowered, validated schedule program of one pipeline (all `pp` ranks).
-    pub fn program(&self) -> Result<Program, String> {
+    pub fn program(&self) -> Result<Program, TrainError> {
         let program = if let ScheduleChoice::File(path) = &self.schedule {
-            let p = Program::load_csv(path).map_err(|e| match e {
-                switchyard_schedule::ScheduleError::Io { source, .. } => format!(
-                    "--schedule {}: cannot read the schedule file: {source} (--schedule takes \
+            let p = Program::load_csv(path).map_err(|e| {
+                TrainError::Config(match e {
+                    switchyard_schedule::ScheduleError::Io { source, .. } => format!(
+                        "--schedule {}: cannot read the schedule file: {source} (--schedule takes \
                      gpipe, 1f1b, interleaved, zb-h1 or the path of a CSV schedule)",
-                    self.schedule
-                ),
-                e => e.to_string(),
+                        self.schedule
+                    ),
+                    e => e.to_string(),
+                })
             })?;
             let what = format!("the schedule {}", self.schedule);
             if p.num_ranks() != self.pp {
-                return Err(format!(
+                return Err(err!(
+                    Config,
                     "{what} has {} ranks but --pp is {}",
                     p.num_ranks(),
                     self.pp
                 ));
             }
             if p.num_microbatches as usize != self.microbatches {
-                return Err(format!(
+                return Err(err!(
+                    Config,
                     "{what} has {} microbatches but --microbatches is {}",
-                    p.num_microbatches, self.microbatches
+                    p.num_microbatches,
+                    self.microbatches
                 ));
             }
             if p.num_stages as usize != self.num_stages() {
                 let stages = p.num_stages as usize;
                 return Err(if stages.is_multiple_of(self.pp) {
-                    format!(
+                    err!(
+                        Config,
                         "{what} has {stages} stages on {} ranks: pass --virtual-stages {}",
                         self.pp,
                         stages / self.pp
                     )
                 } else {
-                    format!(
+                    err!(
+                        Config,
                         "{what} has {stages} stages on {} ranks: every rank must run the same \
                          number of stages, so a schedule for --pp {} needs a multiple of {} stages",
-                        self.pp, self.pp, self.pp
+                        self.pp,
+                        self.pp,
+                        self.pp
                     )
                 });
             }
             p
         } else {
-            generate(self.schedule_kind()?, self.pp, self.microbatches)
-                .map_err(|e| e.to_string())?
+            generate(self.schedule_kind()?, self.pp, self.microbatches)?
         };
         let program = match program.is_lowered() || program.num_ranks() == 1 {
             true => program,
-            false => lower(&program).map_err(|e| e.to_string())?,
+            false => lower(&program)?,
         };
-        validate(&program).map_err(|e| format!("invalid schedule: {e}"))?;
+        validate(&program).map_err(|e| err!(Config, "invalid schedule: {e}"))?;
         Ok(program)
     }
 
@@ -179,25 +188,29 @@ impl<M> TrainConfig<M> {
     ///
     /// `virtual_stages` is the one count of model chunks: `interleaved:V` in the schedule
     /// must agree with it (plain `interleaved`, which reads as `interleaved:2`, takes it).
-    pub fn schedule_kind(&self) -> Result<ScheduleKind, String> {
+    pub fn schedule_kind(&self) -> Result<ScheduleKind, TrainError> {
         match self.schedule {
-            ScheduleChoice::File(_) => Err(format!(
+            ScheduleChoice::File(_) => Err(err!(
+                Config,
                 "the schedule {} is a file, not a kind to generate",
                 self.schedule
             )),
             ScheduleChoice::Named(ScheduleKind::Interleaved { virtual_stages: v }) => {
                 if v != 2 && v != self.virtual_stages {
-                    return Err(format!(
+                    return Err(err!(
+                        Config,
                         "--schedule {} asks for {v} virtual stages but --virtual-stages is {}: \
                          give the count once, with --virtual-stages",
-                        self.schedule, self.virtual_stages
+                        self.schedule,
+                        self.virtual_stages
                     ));
                 }
                 Ok(ScheduleKind::Interleaved {
                     virtual_stages: self.virtual_stages,
                 })
             }
-            ScheduleChoice::Named(kind) if self.virtual_stages != 1 => Err(format!(
+            ScheduleChoice::Named(kind) if self.virtual_stages != 1 => Err(err!(
+                Config,
                 "--virtual-stages {} only applies to the interleaved schedule, not {kind}",
                 self.virtual_stages
             )),
@@ -236,23 +249,24 @@ impl<M: Model> TrainConfig<M> {
     /// The cheap arithmetic comes first, so that no absurd value (a layout whose product
     /// overflows, more stages than layers, a model larger than this machine's memory)
     /// reaches the schedule generator or an allocation.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), TrainError> {
         let m = &self.model;
-        m.validate().map_err(|e| e.to_string())?;
-        self.mesh().validate()?;
+        m.validate()?;
+        self.mesh().validate().map_err(TrainError::Config)?;
         let world = self
             .dp
             .checked_mul(self.pp)
             .and_then(|x| x.checked_mul(self.tp))
             .ok_or_else(|| {
-                format!(
+                err!(Config,
                     "--dp {} × --pp {} × --tp {} overflows: use a layout of at most a few thousand workers",
                     self.dp, self.pp, self.tp
                 )
             })?;
         let limit = thread_limit();
         if self.threads_per_worker > limit {
-            return Err(format!(
+            return Err(err!(
+                Config,
                 "--threads-per-worker {} is more than {limit} threads ({}): use at most the \
                  cores of this machine ({})",
                 self.threads_per_worker,
@@ -264,7 +278,8 @@ impl<M: Model> TrainConfig<M> {
         let share = self.state_bytes() / (self.pp as u128 * self.tp as u128);
         if let Some(total) = memory_info().total {
             if share > u128::from(total) {
-                return Err(format!(
+                return Err(err!(
+                    Config,
                     "the model does not fit: {:.2}M parameters need {} of parameters, gradients \
                      and AdamW state per replica, {} per worker over --pp {} × --tp {}, more than \
                      this machine's {} of memory; use a smaller model",
@@ -278,52 +293,59 @@ impl<M: Model> TrainConfig<M> {
             }
         }
         self.validate_numbers()?;
-        m.check_layout(self.tp, self.seq_len)
-            .map_err(|e| e.to_string())?;
+        m.check_layout(self.tp, self.seq_len)?;
         if self.microbatches == 0 || self.batch == 0 || self.steps == 0 {
-            return Err("--batch, --microbatches and --steps must be at least 1".into());
+            return Err(err!(
+                Config,
+                "--batch, --microbatches and --steps must be at least 1"
+            ));
         }
         if self.eval_batches == 0 {
-            return Err("--eval-batches must be at least 1".into());
+            return Err(err!(Config, "--eval-batches must be at least 1"));
         }
         let split = self.dp.checked_mul(self.microbatches).ok_or_else(|| {
-            format!(
+            err!(
+                Config,
                 "--dp {} × --microbatches {} overflows: use fewer microbatches",
-                self.dp, self.microbatches
+                self.dp,
+                self.microbatches
             )
         })?;
         if !self.batch.is_multiple_of(split) {
-            return Err(format!(
+            return Err(err!(Config,
                 "--batch {} does not split into --dp {} × --microbatches {}: use a batch that is a multiple of {split}",
                 self.batch, self.dp, self.microbatches
             ));
         }
         if self.virtual_stages == 0 {
-            return Err("--virtual-stages must be at least 1".into());
+            return Err(err!(Config, "--virtual-stages must be at least 1"));
         }
         if self.schedule.kind().is_some() {
             // `--virtual-stages` against the kind, before any program is built.
             self.schedule_kind()?;
         }
         if self.schedule.is_interleaved() && self.virtual_stages < 2 {
-            return Err(format!(
+            return Err(err!(Config,
                 "the interleaved schedule needs --virtual-stages 2 or more (got {}); with 1 it is plain 1f1b",
                 self.virtual_stages
             ));
         }
         let stages = self.pp.checked_mul(self.virtual_stages).ok_or_else(|| {
-            format!(
+            err!(
+                Config,
                 "--pp {} × --virtual-stages {} overflows",
-                self.pp, self.virtual_stages
+                self.pp,
+                self.virtual_stages
             )
         })?;
         // Every stage needs a layer: check it before any schedule is generated.
-        plan_stages(&m.costs(self.seq_len), stages, &self.split).map_err(|e| e.to_string())?;
+        plan_stages(&m.costs(self.seq_len), stages, &self.split)?;
         if self.schedule.is_interleaved() && !self.microbatches.is_multiple_of(self.pp) {
-            return Err(self.interleaved_advice());
+            return Err(TrainError::Config(self.interleaved_advice()));
         }
         if stages.saturating_mul(self.microbatches) > MAX_SCHEDULE_PAIRS {
-            return Err(format!(
+            return Err(err!(
+                Config,
                 "{stages} stages × --microbatches {} is more than {MAX_SCHEDULE_PAIRS} forwards \
                  per step, a schedule too large to build and check: use fewer microbatches",
                 self.microbatches
@@ -333,9 +355,11 @@ impl<M: Model> TrainConfig<M> {
         // inside a worker.
         self.program()?;
         if self.batch.checked_mul(self.seq_len).is_none() {
-            return Err(format!(
+            return Err(err!(
+                Config,
                 "--batch {} × --seq-len {} tokens per step overflows",
-                self.batch, self.seq_len
+                self.batch,
+                self.seq_len
             ));
         }
         debug_assert_eq!(world, self.world_size());
@@ -343,8 +367,9 @@ impl<M: Model> TrainConfig<M> {
     }
 
     /// The floating-point settings, each named as its flag (or its `--config` key).
-    fn validate_numbers(&self) -> Result<(), String> {
-        let bad = |what: &str, v: f64, want: &str| Err(format!("{what} must be {want}, got {v}"));
+    fn validate_numbers(&self) -> Result<(), TrainError> {
+        let bad =
+            |what: &str, v: f64, want: &str| Err(err!(Config, "{what} must be {want}, got {v}"));
         if !(self.lr.is_finite() && self.lr > 0.0) {
             return bad("--lr", self.lr, "a positive number");
         }
@@ -419,7 +444,7 @@ impl<M: Model> TrainConfig<M> {
     /// of them on threads; under MPI, this node's): their threads, and their
     /// parameters, gradients and optimizer state in the memory available now. Returns
     /// the compute threads per worker (`threads_per_worker`, or the cores shared out).
-    pub fn check_machine(&self, local_workers: usize) -> Result<usize, String> {
+    pub fn check_machine(&self, local_workers: usize) -> Result<usize, TrainError> {
         let threads = self.check_threads(local_workers, thread_limit())?;
         self.check_memory(local_workers, memory_info().available)?;
         Ok(threads)
@@ -427,19 +452,22 @@ impl<M: Model> TrainConfig<M> {
 
     /// Refuses more than `limit` compute threads for `local_workers` workers; returns
     /// the threads per worker.
-    pub fn check_threads(&self, local_workers: usize, limit: usize) -> Result<usize, String> {
+    pub fn check_threads(&self, local_workers: usize, limit: usize) -> Result<usize, TrainError> {
         let threads = match self.threads_per_worker {
             0 => switchyard_comm::threads::default_threads_per_worker(local_workers),
             n => n,
         };
         let total = local_workers.saturating_mul(threads);
         if total > limit {
-            return Err(format!(
+            return Err(err!(
+                Config,
                 "{local_workers} workers (--dp {} × --pp {} × --tp {}) × {threads} threads each \
                  is {total} threads on this machine, more than {limit} ({THREAD_LIMIT_WHY}): \
                  use fewer workers or --threads-per-worker, or spread the ranks over machines \
                  with --backend mpi",
-                self.dp, self.pp, self.tp
+                self.dp,
+                self.pp,
+                self.tp
             ));
         }
         Ok(threads)
@@ -447,7 +475,11 @@ impl<M: Model> TrainConfig<M> {
 
     /// Refuses a run whose `local_workers` workers' parameters, gradients and optimizer
     /// state alone exceed `available` bytes (no check when `None`).
-    pub fn check_memory(&self, local_workers: usize, available: Option<u64>) -> Result<(), String> {
+    pub fn check_memory(
+        &self,
+        local_workers: usize,
+        available: Option<u64>,
+    ) -> Result<(), TrainError> {
         let Some(available) = available else {
             return Ok(());
         };
@@ -455,7 +487,8 @@ impl<M: Model> TrainConfig<M> {
         let world = self.world_size().max(1) as u128;
         let need = self.state_bytes() * self.dp as u128 * local_workers as u128 / world;
         if need > u128::from(available) {
-            return Err(format!(
+            return Err(err!(
+                Config,
                 "not enough memory: {:.2}M parameters × {BYTES_PER_PARAM} bytes (f32 value and \
                  gradient, AdamW's two f64 moments) × {} replica(s) need {} for {local_workers} \
                  workers here, before any activation, but this machine has {} available; use a \
@@ -551,7 +584,7 @@ mod tests {
     fn err(f: impl FnOnce(&mut TrainConfig)) -> String {
         let mut c = TrainConfig::default();
         f(&mut c);
-        c.validate().unwrap_err()
+        c.validate().unwrap_err().to_string()
     }
 
     #[test]
@@ -581,7 +614,9 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("unknown schedule \"pipedream\""), "{e}");
-        let e = serde_json::from_str::<TrainConfig>(r#"{"schedule": "pipedream"}"#).unwrap_err();
+        let e = serde_json::from_str::<TrainConfig>(r#"{"schedule": "pipedream"}"#)
+            .unwrap_err()
+            .to_string();
         assert!(e.to_string().contains("unknown schedule"), "{e}");
     }
 
@@ -717,7 +752,9 @@ mod tests {
         let t: TrainConfig =
             serde_json::from_str(r#"{"decay": "all", "shuffle": false, "eps": 1e-6}"#).unwrap();
         assert_eq!((t.decay, t.shuffle, t.eps), (Decay::All, false, 1e-6));
-        let e = serde_json::from_str::<TrainConfig>(r#"{"decay": "biases"}"#).unwrap_err();
+        let e = serde_json::from_str::<TrainConfig>(r#"{"decay": "biases"}"#)
+            .unwrap_err()
+            .to_string();
         assert!(
             e.to_string().contains("expected `matrices` or `all`"),
             "{e}"
@@ -735,7 +772,10 @@ mod tests {
             dp: 100_000,
             ..TrainConfig::default()
         };
-        let e = c.check_threads(c.world_size(), 1024).unwrap_err();
+        let e = c
+            .check_threads(c.world_size(), 1024)
+            .unwrap_err()
+            .to_string();
         assert!(
             e.contains(
                 "400000 workers (--dp 100000 × --pp 2 × --tp 2) × 1 threads each is 400000 threads"
@@ -748,8 +788,9 @@ mod tests {
         assert!(c
             .check_threads(4, 1024)
             .unwrap_err()
+            .to_string()
             .contains("1200 threads"));
-        assert_eq!(c.check_threads(3, 1024), Ok(300));
+        assert_eq!(c.check_threads(3, 1024).unwrap(), 300);
         c.threads_per_worker = 0;
         assert!(c.check_threads(4, 1024).unwrap() >= 1);
         assert!(thread_limit() >= 1024);
@@ -766,15 +807,15 @@ mod tests {
             need > 7_000_000_000_000 && need < 8_000_000_000_000,
             "{need}"
         );
-        let e = c.check_memory(4, Some(64 << 30)).unwrap_err();
+        let e = c.check_memory(4, Some(64 << 30)).unwrap_err().to_string();
         assert!(e.contains("need 6.75 TiB for 4 workers here"), "{e}");
         assert!(e.contains("this machine has 64.00 GiB available"), "{e}");
         // The machine's share under MPI: 1 of the 4 workers.
-        let e = c.check_memory(1, Some(64 << 30)).unwrap_err();
+        let e = c.check_memory(1, Some(64 << 30)).unwrap_err().to_string();
         assert!(e.contains("need 1.69 TiB for 1 workers"), "{e}");
         assert!(c.check_memory(4, None).is_ok());
         // On no machine of today does it fit in total memory either.
-        let e = c.validate().unwrap_err();
+        let e = c.validate().unwrap_err().to_string();
         assert!(e.contains("the model does not fit"), "{e}");
         let small = TrainConfig::default();
         assert!(small.check_memory(4, Some(1 << 30)).is_ok());
@@ -854,7 +895,7 @@ mod tests {
         c.validate().unwrap();
         assert_eq!(c.program().unwrap().num_microbatches, 1);
         std::fs::write(&path, "not a schedule\n").unwrap();
-        let e = c.validate().unwrap_err();
+        let e = c.validate().unwrap_err().to_string();
         assert!(e.contains("the first column must be the rank index"), "{e}");
         c.schedule = sched("1f1b");
         c.validate().unwrap();
@@ -886,7 +927,7 @@ mod tests {
                 Err(e) => {
                     assert!(!ok, "{text} v {v}: {e}");
                     assert!(
-                        e.contains("--schedule interleaved:3 asks for 3 virtual stages but --virtual-stages is 2"),
+                        e.to_string().contains("--schedule interleaved:3 asks for 3 virtual stages but --virtual-stages is 2"),
                         "{e}"
                     );
                 }

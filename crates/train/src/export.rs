@@ -22,7 +22,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use anyhow::{anyhow, bail, Context, Result};
+use crate::error::{err, fail, Context, Result};
 use safetensors::View;
 
 /// The metadata key of the checksum.
@@ -71,10 +71,20 @@ pub enum Integrity {
 
 /// Checks the `checksum` metadata of the safetensors file `bytes` read from `path`.
 pub fn verify(path: &Path, bytes: &[u8]) -> Result<Integrity> {
-    let st = safetensors::SafeTensors::deserialize(bytes)
-        .map_err(|e| anyhow!("{} is not a readable safetensors file: {e}", path.display()))?;
-    let (_, meta) = safetensors::SafeTensors::read_metadata(bytes)
-        .map_err(|e| anyhow!("{} is not a readable safetensors file: {e}", path.display()))?;
+    let st = safetensors::SafeTensors::deserialize(bytes).map_err(|e| {
+        err!(
+            Weights,
+            "{} is not a readable safetensors file: {e}",
+            path.display()
+        )
+    })?;
+    let (_, meta) = safetensors::SafeTensors::read_metadata(bytes).map_err(|e| {
+        err!(
+            Weights,
+            "{} is not a readable safetensors file: {e}",
+            path.display()
+        )
+    })?;
     let Some(want) = meta
         .metadata()
         .as_ref()
@@ -87,7 +97,8 @@ pub fn verify(path: &Path, bytes: &[u8]) -> Result<Integrity> {
         tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
     let got = checksum(&views);
     if got != want {
-        bail!(
+        fail!(
+            Weights,
             "{} is damaged: its tensors' checksum is {got}, but the file records {want}; \
              export it again from its checkpoint",
             path.display()
@@ -101,21 +112,23 @@ pub fn verify(path: &Path, bytes: &[u8]) -> Result<Integrity> {
 /// `source` (the checkpoint or file being exported).
 pub fn check_destination(out: &Path, force: bool, source: Option<&Path>) -> Result<()> {
     if out.is_dir() {
-        bail!(
+        fail!(
+            Weights,
             "--out {} is a directory: give the path of a file, such as {}",
             out.display(),
             out.join("model.safetensors").display()
         );
     }
     if out.exists() && !force {
-        bail!(
+        fail!(
+            Weights,
             "--out {} already exists: pass --force to replace it",
             out.display()
         );
     }
     let name = out
         .file_name()
-        .ok_or_else(|| anyhow!("{} does not name a file", out.display()))?;
+        .ok_or_else(|| err!(Weights, "{} does not name a file", out.display()))?;
     let parent = match out.parent() {
         Some(p) if !p.as_os_str().is_empty() => p,
         _ => Path::new("."),
@@ -133,7 +146,8 @@ pub fn check_destination(out: &Path, force: bool, source: Option<&Path>) -> Resu
             .with_context(|| format!("cannot read {}", source.display()))?;
         let target = parent.join(name);
         if target.starts_with(&source) {
-            bail!(
+            fail!(
+                Weights,
                 "--out {} is inside {}, the checkpoint being exported: write the export elsewhere",
                 out.display(),
                 source.display()
@@ -178,7 +192,7 @@ pub(crate) fn create_temp(out: &Path) -> Result<(PathBuf, fs::File)> {
     static NEXT: AtomicUsize = AtomicUsize::new(0);
     let name = out
         .file_name()
-        .ok_or_else(|| anyhow!("{} does not name a file", out.display()))?
+        .ok_or_else(|| err!(Weights, "{} does not name a file", out.display()))?
         .to_string_lossy()
         .into_owned();
     loop {

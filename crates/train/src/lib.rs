@@ -53,6 +53,7 @@
 pub mod checkpoint;
 mod config;
 pub mod data;
+pub mod error;
 pub mod export;
 pub mod optim;
 mod report;
@@ -66,6 +67,7 @@ pub use config::{
     memory_info, thread_limit, MemoryInfo, TrainConfig, BYTES_PER_PARAM, MAX_SCHEDULE_PAIRS,
     MAX_TIMEOUT_SECS,
 };
+pub use error::TrainError;
 pub use report::{PipelineRankReport, StepRecord, TrainReport};
 pub use trainer::{train, train_rank, Resume, TrainOptions};
 pub use worker::{NonFinite, StepMetrics, Worker};

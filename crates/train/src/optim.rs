@@ -63,12 +63,13 @@ impl std::fmt::Display for Decay {
 }
 
 impl std::str::FromStr for Decay {
-    type Err = String;
-    fn from_str(s: &str) -> std::result::Result<Self, String> {
+    type Err = crate::TrainError;
+    fn from_str(s: &str) -> std::result::Result<Self, Self::Err> {
         match s.trim() {
             "matrices" => Ok(Decay::Matrices),
             "all" => Ok(Decay::All),
-            other => Err(format!(
+            other => Err(crate::error::err!(
+                Config,
                 "unknown decay rule {other:?}: use `matrices` (only weights with 2+ dims, as \
                  nanoGPT) or `all` (every parameter, as torch.optim.AdamW)"
             )),
@@ -337,13 +338,13 @@ mod tests {
     #[test]
     fn decay_rules_parse_and_serialise_by_name() {
         for d in [Decay::Matrices, Decay::All] {
-            assert_eq!(d.name().parse::<Decay>(), Ok(d));
+            assert_eq!(d.name().parse::<Decay>().unwrap(), d);
             assert_eq!(
                 serde_json::to_string(&d).unwrap(),
                 format!("\"{}\"", d.name())
             );
         }
-        let e = "weights".parse::<Decay>().unwrap_err();
+        let e = "weights".parse::<Decay>().unwrap_err().to_string();
         assert!(
             e.contains("use `matrices`") && e.contains("or `all`"),
             "{e}"

@@ -10,7 +10,7 @@ use std::io::{IsTerminal, Write};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use anyhow::Context;
+use crate::error::{Context, Result};
 use candle_core::{Device, Tensor};
 use serde::Serialize;
 use switchyard_pipeline::step_bubbles;
@@ -214,7 +214,7 @@ pub(crate) fn gather<M: Model>(
     worker: &Worker<M>,
     steps: &[StepMetrics],
     trace: Option<&Path>,
-) -> anyhow::Result<Option<TrainReport>> {
+) -> Result<Option<TrainReport>> {
     let cfg = &worker.cfg;
     let world = &*worker.mesh.world;
     let v = worker.program().num_stages as usize / cfg.pp;
@@ -289,10 +289,7 @@ pub(crate) fn gather<M: Model>(
 }
 
 /// Every rank's trace events on rank 0, as rows `[rank, step, stage, op, mb, start, dur]`.
-fn gather_events<M: Model>(
-    worker: &Worker<M>,
-    steps: &[StepMetrics],
-) -> anyhow::Result<Vec<[f64; 7]>> {
+fn gather_events<M: Model>(worker: &Worker<M>, steps: &[StepMetrics]) -> Result<Vec<[f64; 7]>> {
     let world = &*worker.mesh.world;
     let me = world.rank() as f64;
     let mut rows: Vec<f64> = Vec::new();
@@ -328,7 +325,7 @@ fn gather_events<M: Model>(
 }
 
 /// A Chrome trace (Perfetto): a track per rank, a slice per action.
-fn write_trace<M>(cfg: &TrainConfig<M>, path: &Path, events: Vec<[f64; 7]>) -> anyhow::Result<()> {
+fn write_trace<M>(cfg: &TrainConfig<M>, path: &Path, events: Vec<[f64; 7]>) -> Result<()> {
     let mesh = cfg.mesh();
     let mut out: Vec<serde_json::Value> = (0..cfg.world_size())
         .map(|r| {
@@ -370,7 +367,7 @@ impl Sink {
         append: bool,
         progress: bool,
         steps: usize,
-    ) -> anyhow::Result<Sink> {
+    ) -> Result<Sink> {
         let metrics = match metrics {
             Some(p) => Some(
                 std::fs::OpenOptions::new()

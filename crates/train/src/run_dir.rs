@@ -23,7 +23,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use anyhow::{anyhow, bail, Context, Result};
+use crate::error::{err, fail, Context, Result};
 
 use crate::checkpoint::{complete_steps, fnv64, read_manifest};
 
@@ -40,13 +40,15 @@ pub fn new_run_id(seed: u64) -> String {
 /// created, written and removed). The error names the directory and the OS error.
 pub fn prepare_dir(dir: &Path) -> Result<()> {
     if dir.exists() && !dir.is_dir() {
-        bail!(
+        fail!(
+            Checkpoint,
             "--checkpoint-dir {} is not a directory: choose a directory (it is created if missing)",
             dir.display()
         );
     }
     fs::create_dir_all(dir).map_err(|e| {
-        anyhow!(
+        err!(
+            Checkpoint,
             "cannot create the checkpoint directory {}: {e}",
             dir.display()
         )
@@ -67,13 +69,15 @@ pub fn probe_writable(dir: &Path) -> Result<()> {
     });
     if let Err(e) = written {
         let _ = fs::remove_file(&probe);
-        bail!(
+        fail!(
+            Checkpoint,
             "the checkpoint directory {} is not writable: {e}",
             dir.display()
         );
     }
     fs::remove_file(&probe).map_err(|e| {
-        anyhow!(
+        err!(
+            Checkpoint,
             "the checkpoint directory {} does not let files be removed ({}): {e}",
             dir.display(),
             probe.display()
@@ -103,7 +107,7 @@ pub fn check_fresh(dir: &Path, overwrite: bool) -> Result<Vec<(usize, PathBuf)>>
         return Ok(steps);
     }
     let list: Vec<String> = steps.iter().map(|(n, _)| n.to_string()).collect();
-    bail!(
+    fail!(Checkpoint,
         "--checkpoint-dir {} already holds checkpoints of another run (run {}, steps {}): pass --resume to continue that run, choose another --checkpoint-dir, or pass --overwrite to move them aside into {}/stale-{}/",
         dir.display(),
         newest_run_id(&steps),

@@ -20,7 +20,17 @@
 
 use std::collections::BTreeMap;
 
-use anyhow::{anyhow, ensure, Context};
+use crate::error::{err, fail, Context, Result, TrainError};
+
+macro_rules! ensure {
+    ($cond:expr, $($fmt:tt)*) => {
+        // A NaN compares false, so it fails the check.
+        let holds: bool = $cond;
+        if !holds {
+            fail!(Parity, $($fmt)*);
+        }
+    };
+}
 use candle_core::{DType, Tensor};
 use switchyard_comm::local::Launcher;
 use switchyard_models::{plan_stages, Model, SplitSpec};
@@ -45,7 +55,7 @@ pub fn parallel_step<M: Model>(
     cfg: &TrainConfig<M>,
     data: &dyn Dataset,
     step: usize,
-) -> anyhow::Result<StepOutcome> {
+) -> Result<StepOutcome> {
     let outs = Launcher::new(cfg.world_size())
         .threads_per_worker(1)
         .run(|world| {
@@ -53,7 +63,7 @@ pub fn parallel_step<M: Model>(
             let (mut grads, losses, _) = w.compute_grads(step)?;
             w.sync_grads(&mut grads)?;
             let full = w.full_grads(&grads)?;
-            Ok::<_, anyhow::Error>((w.mesh.coord, full, losses))
+            Ok::<_, TrainError>((w.mesh.coord, full, losses))
         })?;
     let mut grads = BTreeMap::new();
     let mut losses = Vec::new();
@@ -78,7 +88,7 @@ pub fn parallel_step<M: Model>(
 
 /// The seeded initial weights of `cfg`'s model by name, as one device holds them: the
 /// starting point of a hand-written single-device reference.
-pub fn initial_weights<M: Model>(cfg: &TrainConfig<M>) -> anyhow::Result<BTreeMap<String, Tensor>> {
+pub fn initial_weights<M: Model>(cfg: &TrainConfig<M>) -> Result<BTreeMap<String, Tensor>> {
     let store = ParamStore::new(DType::F32, 0, 1, ParamSource::Init { seed: cfg.seed })?;
     let plan = plan_stages(&cfg.model.costs(cfg.seq_len), 1, &SplitSpec::Even)?;
     cfg.model.stage(&plan[0], &store, single_device())?;
@@ -90,14 +100,14 @@ pub fn initial_weights<M: Model>(cfg: &TrainConfig<M>) -> anyhow::Result<BTreeMa
 }
 
 /// `max |a − b| / max |b|` over the tensor (0 when both are zero).
-pub fn rel_err(a: &Tensor, b: &Tensor) -> anyhow::Result<f64> {
+pub fn rel_err(a: &Tensor, b: &Tensor) -> Result<f64> {
     ensure!(
         a.dims() == b.dims(),
         "shapes differ: {:?} vs {:?}",
         a.dims(),
         b.dims()
     );
-    let max_abs = |t: &Tensor| -> anyhow::Result<f64> {
+    let max_abs = |t: &Tensor| -> Result<f64> {
         Ok(t.to_dtype(DType::F64)?
             .abs()?
             .max_all()?
@@ -109,7 +119,7 @@ pub fn rel_err(a: &Tensor, b: &Tensor) -> anyhow::Result<f64> {
 
 /// Checks that `got` matches `want`: the loss and every gradient within `tol` (relative),
 /// the same parameter names. The error names the first parameter that differs.
-pub fn compare_steps(got: &StepOutcome, want: &StepOutcome, tol: f64) -> anyhow::Result<()> {
+pub fn compare_steps(got: &StepOutcome, want: &StepOutcome, tol: f64) -> Result<()> {
     let lerr = (got.loss - want.loss).abs() / want.loss.abs().max(f64::MIN_POSITIVE);
     ensure!(
         lerr <= tol,
@@ -141,7 +151,7 @@ pub fn check_step_parity<M: Model>(
     reference: &TrainConfig<M>,
     data: &dyn Dataset,
     tol: f64,
-) -> anyhow::Result<()> {
+) -> Result<()> {
     let what = |c: &TrainConfig<M>| {
         format!(
             "dp {} × pp {} × tp {} ({}, v {})",
@@ -151,5 +161,5 @@ pub fn check_step_parity<M: Model>(
     let want = parallel_step(reference, data, 0).with_context(|| what(reference))?;
     let got = parallel_step(cfg, data, 0).with_context(|| what(cfg))?;
     compare_steps(&got, &want, tol)
-        .map_err(|e| anyhow!("{} vs {}: {e}", what(cfg), what(reference)))
+        .map_err(|e| err!(Parity, "{} vs {}: {e}", what(cfg), what(reference)))
 }

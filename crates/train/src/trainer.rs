@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::{anyhow, Context};
+use crate::error::{err, fail, Context, Result, TrainError};
 use candle_core::Tensor;
 use switchyard_comm::local::Launcher;
 use switchyard_comm::{Communicator, ReduceOp};
@@ -79,11 +79,11 @@ pub fn train<M: Model>(
     cfg: &TrainConfig<M>,
     data: &dyn Dataset,
     opts: &TrainOptions,
-) -> anyhow::Result<TrainReport> {
+) -> Result<TrainReport> {
     // Every worker is a thread of this process: check its threads and memory first.
     cfg.validate()
         .and_then(|()| cfg.check_machine(cfg.world_size()))
-        .map_err(|e| anyhow!("invalid configuration: {e}"))?;
+        .map_err(|e| err!(Config, "invalid configuration: {e}"))?;
     let ctx = RankContext::prepare(cfg, data, opts)?;
     ctx.plan.apply()?;
     let mut launcher =
@@ -91,14 +91,12 @@ pub fn train<M: Model>(
     if cfg.threads_per_worker > 0 {
         launcher = launcher.threads_per_worker(cfg.threads_per_worker);
     }
-    let reports = launcher
-        .run(|world| run_rank(world, &ctx))
-        .map_err(|e| anyhow!("{e}"))?;
+    let reports = launcher.run(|world| run_rank(world, &ctx))?;
     reports
         .into_iter()
         .next()
         .flatten()
-        .ok_or_else(|| anyhow!("rank 0 returned no report"))
+        .ok_or_else(|| err!(Config, "rank 0 returned no report"))
 }
 
 /// Trains as one rank of `world` (for example one process of an `mpirun` job): every
@@ -109,9 +107,9 @@ pub fn train_rank<M: Model>(
     cfg: &TrainConfig<M>,
     data: &dyn Dataset,
     opts: &TrainOptions,
-) -> anyhow::Result<Option<TrainReport>> {
+) -> Result<Option<TrainReport>> {
     if world.world_size() != cfg.world_size() {
-        anyhow::bail!(
+        fail!(Config,
             "invalid configuration: the job has {} ranks but dp {} × pp {} × tp {} needs {}: start {} processes or change the layout",
             world.world_size(),
             cfg.dp,
@@ -156,7 +154,7 @@ struct DirPlan {
 
 impl DirPlan {
     /// Moves the stale checkpoints aside and says so, and what the run resumes from.
-    fn apply(&self) -> anyhow::Result<()> {
+    fn apply(&self) -> Result<()> {
         if let Some((step, path)) = &self.resumed {
             eprintln!("switchyard: resumed from step {step} ({})", path.display());
         }
@@ -181,11 +179,10 @@ impl<'a, M: Model> RankContext<'a, M> {
         cfg: &'a TrainConfig<M>,
         data: &'a dyn Dataset,
         opts: &'a TrainOptions,
-    ) -> anyhow::Result<Self> {
+    ) -> Result<Self> {
         cfg.validate()
-            .map_err(|e| anyhow!("invalid configuration: {e}"))?;
-        data.check(cfg.model.vocab_size().unwrap_or(usize::MAX), cfg.seq_len)
-            .map_err(anyhow::Error::msg)?;
+            .map_err(|e| err!(Config, "invalid configuration: {e}"))?;
+        data.check(cfg.model.vocab_size().unwrap_or(usize::MAX), cfg.seq_len)?;
         let corpus_info = CorpusInfo {
             name: data.name().to_string(),
             bytes: data.train().len(),
@@ -211,7 +208,7 @@ fn prepare_dir<M: Model>(
     cfg: &TrainConfig<M>,
     opts: &TrainOptions,
     start: &Start,
-) -> anyhow::Result<(String, DirPlan)> {
+) -> Result<(String, DirPlan)> {
     let resumed = match start {
         Start::Checkpoint { manifest, path, .. } => Some((manifest.as_ref(), path)),
         _ => None,
@@ -254,9 +251,10 @@ fn prepare_start<M: Model>(
     cfg: &TrainConfig<M>,
     opts: &TrainOptions,
     corpus: &CorpusInfo,
-) -> anyhow::Result<Start> {
+) -> Result<Start> {
     if opts.resume.is_some() && opts.init.is_some() {
-        anyhow::bail!(
+        fail!(
+            Config,
             "--resume and --init exclude each other: resume continues a run, init starts a new one"
         );
     }
@@ -264,7 +262,7 @@ fn prepare_start<M: Model>(
         let dir = opts
             .checkpoint_dir
             .as_ref()
-            .ok_or_else(|| anyhow!("--resume needs --checkpoint-dir"))?;
+            .ok_or_else(|| err!(Config, "--resume needs --checkpoint-dir"))?;
         let step = match r {
             Resume::Latest => None,
             Resume::Step(s) => Some(s),
@@ -275,7 +273,7 @@ fn prepare_start<M: Model>(
             .config_of::<M>()
             .with_context(|| format!("{}", ckpt.path.display()))?;
         if saved.model != cfg.model {
-            anyhow::bail!(
+            fail!(Checkpoint,
                 "{} holds a model {:?}, but this run builds {:?}: resume with the checkpoint's model flags",
                 ckpt.path.display(),
                 saved.model,
@@ -283,7 +281,7 @@ fn prepare_start<M: Model>(
             );
         }
         if m.corpus.bytes != corpus.bytes || m.corpus.fnv64 != corpus.fnv64 {
-            anyhow::bail!(
+            fail!(Checkpoint,
                 "{} was trained on {} ({} tokens); this run reads {} ({} tokens): pass the same --data (and --val-fraction) to resume",
                 ckpt.path.display(),
                 m.corpus.name,
@@ -293,7 +291,7 @@ fn prepare_start<M: Model>(
             );
         }
         if m.rng_seed != cfg.seed && !opts.allow_seed_change {
-            anyhow::bail!(
+            fail!(Checkpoint,
                 "{} was trained with --seed {}, but this run has --seed {}: resume with --seed {} (a different seed changes the data order), or pass --allow-seed-change",
                 ckpt.path.display(),
                 m.rng_seed,
@@ -302,7 +300,8 @@ fn prepare_start<M: Model>(
             );
         }
         if m.step >= cfg.steps {
-            anyhow::bail!(
+            fail!(
+                Checkpoint,
                 "{} is already at step {} of a run of --steps {}: pass more --steps to continue",
                 ckpt.path.display(),
                 m.step,
@@ -322,12 +321,11 @@ fn prepare_start<M: Model>(
             eprintln!("{note}");
         }
         if w.config != cfg.model {
-            anyhow::bail!(
-                "{} holds a model {:?}, but this run builds {:?}: build the same model",
-                path.display(),
-                w.config,
-                cfg.model
-            );
+            return Err(TrainError::ModelMismatch {
+                path: path.display().to_string(),
+                have: format!("{:?}", w.config),
+                want: format!("{:?}", cfg.model),
+            });
         }
         return Ok(Start::Weights(w.tensors));
     }
@@ -337,7 +335,7 @@ fn prepare_start<M: Model>(
 fn run_rank<M: Model>(
     world: Arc<dyn Communicator>,
     ctx: &RankContext<M>,
-) -> anyhow::Result<Option<TrainReport>> {
+) -> Result<Option<TrainReport>> {
     let (cfg, opts) = (ctx.cfg, ctx.opts);
     let me = world.rank();
     let (source, first_step) = match &ctx.start {
@@ -373,14 +371,14 @@ fn run_rank<M: Model>(
             Ok(m) => m,
             Err(nf) if nf.rank == me => {
                 let c = worker.mesh.coord;
-                return Err(anyhow!(
-                    "step {}: non-finite values first appeared on rank {me} (pp {}, dp {}, tp {}): {}",
-                    nf.step,
-                    c.pp,
-                    c.dp,
-                    c.tp,
-                    nf.detail.unwrap_or_default()
-                ));
+                return Err(TrainError::NonFinite {
+                    step: nf.step,
+                    rank: me,
+                    pp: c.pp,
+                    dp: c.dp,
+                    tp: c.tp,
+                    detail: nf.detail.unwrap_or_default(),
+                });
             }
             // Another rank reports it; stop here without an error of our own.
             Err(_) => break,
@@ -416,7 +414,7 @@ fn run_rank<M: Model>(
 }
 
 /// Whether any rank's stop flag is set: collective, so every rank stops after the same step.
-fn stop_requested<M: Model>(worker: &Worker<M>, flag: Option<&AtomicBool>) -> anyhow::Result<bool> {
+fn stop_requested<M: Model>(worker: &Worker<M>, flag: Option<&AtomicBool>) -> Result<bool> {
     let Some(flag) = flag else {
         return Ok(false);
     };
@@ -443,14 +441,15 @@ fn save_or_explain<M: Model>(
     done: usize,
     ctx: &RankContext<M>,
     last_good: Option<&Path>,
-) -> anyhow::Result<()> {
+) -> Result<()> {
     save(worker, dir, done, ctx).map_err(|e| {
         let last = match last_good {
             Some(p) => format!("the last good checkpoint is {}", p.display()),
             None => "no earlier checkpoint of this run exists".into(),
         };
         // One message: the local launcher reports a failed rank's error by its Display.
-        anyhow!(
+        err!(
+            Checkpoint,
             "saving the checkpoint of step {done} into {} failed ({e:#}); {last}",
             dir.display()
         )
@@ -458,17 +457,13 @@ fn save_or_explain<M: Model>(
 }
 
 /// Saves the state after `done` steps (see [`checkpoint`]). Collective over the world.
-fn save<M: Model>(
-    worker: &Worker<M>,
-    dir: &Path,
-    done: usize,
-    ctx: &RankContext<M>,
-) -> anyhow::Result<()> {
+fn save<M: Model>(worker: &Worker<M>, dir: &Path, done: usize, ctx: &RankContext<M>) -> Result<()> {
     let world = &worker.mesh.world;
     let staging = checkpoint::staging_dir(dir, done);
     if world.rank() == 0 {
         if staging.exists() {
-            std::fs::remove_dir_all(&staging)?;
+            std::fs::remove_dir_all(&staging)
+                .with_context(|| format!("cannot remove {}", staging.display()))?;
         }
         std::fs::create_dir_all(&staging)
             .with_context(|| format!("cannot create {}", staging.display()))?;
@@ -487,8 +482,11 @@ fn save<M: Model>(
         for pp in 0..ctx.cfg.pp {
             for tp in 0..ctx.cfg.tp {
                 let p = entry_path(pp, tp);
-                let entry: FileEntry = serde_json::from_slice(&std::fs::read(&p)?)?;
-                std::fs::remove_file(&p)?;
+                let read =
+                    std::fs::read(&p).with_context(|| format!("cannot read {}", p.display()))?;
+                let entry: FileEntry = serde_json::from_slice(&read)?;
+                std::fs::remove_file(&p)
+                    .with_context(|| format!("cannot remove {}", p.display()))?;
                 files.push(entry);
             }
         }

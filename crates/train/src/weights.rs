@@ -14,7 +14,7 @@
 use std::collections::HashMap;
 use std::path::Path;
 
-use anyhow::{anyhow, bail, Context, Result};
+use crate::error::{err, fail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use switchyard_models::{plan_stages, Model, ModelStage, SplitSpec};
 use switchyard_pipeline::Stage;
@@ -63,7 +63,11 @@ impl<M: Model> Weights<M> {
             std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
         let integrity = verify(path, &bytes)?;
         let bad = |e: &dyn std::fmt::Display| {
-            anyhow!("{} is not a readable safetensors file: {e}", path.display())
+            err!(
+                Weights,
+                "{} is not a readable safetensors file: {e}",
+                path.display()
+            )
         };
         let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).map_err(|e| bad(&e))?;
         let mut tensors =
@@ -74,7 +78,8 @@ impl<M: Model> Weights<M> {
         let meta = meta.metadata().as_ref();
         if let Some(kind) = meta.and_then(|m| m.get(MODEL_KEY)) {
             if kind != M::NAME {
-                bail!(
+                fail!(
+                    Weights,
                     "{} holds a {kind} model, not a {} model",
                     path.display(),
                     M::NAME
@@ -85,37 +90,45 @@ impl<M: Model> Weights<M> {
             .and_then(|m| m.get("config"))
             .map(|c| serde_json::from_str::<M>(c))
             .transpose()
-            .map_err(|e| anyhow!("{}: bad switchyard metadata: {e}", path.display()))?;
+            .map_err(|e| err!(Weights, "{}: bad switchyard metadata: {e}", path.display()))?;
         let (config, tensors) = from_meta
             .as_ref()
             .unwrap_or(hint)
             .import(tensors)
-            .map_err(|e| anyhow!("{}: {e}", path.display()))?;
-        let config = match from_meta {
-            Some(c) if c != config => bail!(
+            .map_err(|e| err!(Weights, "{}: {e}", path.display()))?;
+        let config =
+            match from_meta {
+                Some(c) if c != config => fail!(Weights,
                 "{}: the metadata describes the model {c:?}, but its tensors the model {config:?}",
                 path.display()
             ),
-            _ => config,
-        };
+                _ => config,
+            };
         let w = Weights {
             config,
             tensors,
             integrity,
         };
-        w.check().map_err(|e| anyhow!("{}: {e}", path.display()))?;
+        w.check()
+            .map_err(|e| err!(Weights, "{}: {e}", path.display()))?;
         Ok(w)
     }
 
     /// Checks the names and shapes against the config.
-    pub fn check(&self) -> std::result::Result<(), String> {
+    pub fn check(&self) -> Result<()> {
         let c = &self.config;
-        let want = c.param_shapes().map_err(|e| e.to_string())?;
+        let want = c.param_shapes()?;
         for (name, shape) in &want {
             match self.tensors.get(name) {
-                None => return Err(format!("no tensor {name}, which the model {c:?} needs")),
+                None => {
+                    return Err(err!(
+                        Weights,
+                        "no tensor {name}, which the model {c:?} needs"
+                    ))
+                }
                 Some(t) if t.dims() != shape.as_slice() => {
-                    return Err(format!(
+                    return Err(err!(
+                        Weights,
                         "{name} has shape {:?}, the model {c:?} needs {shape:?}",
                         t.dims()
                     ))
@@ -127,7 +140,10 @@ impl<M: Model> Weights<M> {
         let mut extra: Vec<&String> = self.tensors.keys().filter(|k| !known.contains(k)).collect();
         extra.sort();
         if !extra.is_empty() {
-            return Err(format!("unexpected tensors for the model {c:?}: {extra:?}"));
+            return Err(err!(
+                Weights,
+                "unexpected tensors for the model {c:?}: {extra:?}"
+            ));
         }
         Ok(())
     }
@@ -176,7 +192,7 @@ impl<M: Model> Weights<M> {
             (CHECKSUM_KEY.to_string(), checksum(&views)),
         ]);
         let bytes = safetensors::serialize(views, Some(meta))
-            .map_err(|e| anyhow!("cannot serialise the weights: {e}"))?;
+            .map_err(|e| err!(Weights, "cannot serialise the weights: {e}"))?;
         write_file(out, &bytes, force)
     }
 
@@ -211,7 +227,8 @@ pub fn evaluate<M: Model>(
         .zip(w.config.vocab_size())
         .filter(|((id, _), vocab)| *id as usize >= *vocab)
     {
-        bail!(
+        fail!(
+            Weights,
             "the data {} has token id {id} at token offset {at}, but the model's vocabulary \
              has {} ids: evaluate on data made with the model's tokenizer",
             split.name,
@@ -220,7 +237,8 @@ pub fn evaluate<M: Model>(
     }
     let windows = data.eval_windows(seq_len, max_windows);
     if windows.is_empty() {
-        bail!(
+        fail!(
+            Weights,
             "{} is shorter than one window of {} tokens",
             split.name,
             seq_len + 1

@@ -17,7 +17,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
-use candle_core::{DType, Device, Result, Tensor, TensorId, Var};
+use candle_core::{DType, Device, Tensor, TensorId, Var};
 use switchyard_comm::{Communicator, Mesh, ReduceOp};
 use switchyard_models::{plan_stages, Model, ModelStage};
 use switchyard_pipeline::{CheckedProgram, Executor, Microbatches, Stage, StepStats};
@@ -26,6 +26,7 @@ use switchyard_shard::{gather_full_tensor, Param, ParamSource, ParamStore, Shard
 
 use crate::checkpoint::RankShard;
 use crate::data::{Dataset, Sampler};
+use crate::error::{fail, Result};
 use crate::optim::{sum_sq, AdamW, LrSchedule};
 use crate::TrainConfig;
 
@@ -37,13 +38,13 @@ struct Wrapped<'a, S> {
 }
 
 impl<S: ModelStage> Stage for Wrapped<'_, S> {
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         self.stage.forward(x)
     }
     fn params(&self) -> &[Var] {
         self.params
     }
-    fn begin_step(&self) -> Result<()> {
+    fn begin_step(&self) -> candle_core::Result<()> {
         self.stage.begin_step()
     }
     fn end_step(&self) {
@@ -109,10 +110,10 @@ impl<'a, M: Model> Worker<'a, M> {
         cfg: &TrainConfig<M>,
         data: &'a dyn Dataset,
         source: ParamSource,
-    ) -> anyhow::Result<Worker<'a, M>> {
-        cfg.validate().map_err(anyhow::Error::msg)?;
+    ) -> Result<Worker<'a, M>> {
+        cfg.validate()?;
         let mesh = Mesh::new(world.clone(), cfg.mesh())?;
-        let program = CheckedProgram::new(&cfg.program().map_err(anyhow::Error::msg)?)?;
+        let program = CheckedProgram::new(&cfg.program()?)?;
         let pipe = program.program();
         let plans = plan_stages(&cfg.model.costs(cfg.seq_len), cfg.num_stages(), &cfg.split)?;
         let store = ParamStore::for_group(&*mesh.tp, DType::F32, source)?;
@@ -135,7 +136,8 @@ impl<'a, M: Model> Worker<'a, M> {
                     .filter(|t| t.stages.contains(&(*s as usize)))
                 {
                     let Some(p) = store.get(&t.name) else {
-                        anyhow::bail!(
+                        fail!(
+                            Config,
                             "{}: stage {s} uses the tied parameter {} but did not create it",
                             M::NAME,
                             t.name
@@ -147,7 +149,7 @@ impl<'a, M: Model> Worker<'a, M> {
                 }
                 Ok(own)
             })
-            .collect::<anyhow::Result<_>>()?;
+            .collect::<Result<_>>()?;
         let params = store.params();
         let index = params
             .iter()
@@ -245,10 +247,10 @@ impl<'a, M: Model> Worker<'a, M> {
             .batch(&Sampler::of(c), step, first..first + per_replica)?;
         let inputs = (0..m)
             .map(|i| x.narrow(0, i * mbs, mbs))
-            .collect::<Result<Vec<_>>>()?;
+            .collect::<candle_core::Result<Vec<_>>>()?;
         let targets = (0..m)
             .map(|i| y.narrow(0, i * mbs, mbs))
-            .collect::<Result<Vec<_>>>()?;
+            .collect::<candle_core::Result<Vec<_>>>()?;
         let last = self.program().num_stages - 1;
         let head = self.stages.iter().find(|(s, _)| *s == last).map(|(_, g)| g);
         let loss = |out: &Tensor, mb: usize| match head {
@@ -325,7 +327,7 @@ impl<'a, M: Model> Worker<'a, M> {
             let flat: Vec<Tensor> = grads[start..end]
                 .iter()
                 .map(|g| g.as_ref().unwrap().flatten_all())
-                .collect::<Result<_>>()?;
+                .collect::<candle_core::Result<_>>()?;
             let summed = self
                 .mesh
                 .dp
@@ -343,10 +345,7 @@ impl<'a, M: Model> Worker<'a, M> {
     }
 
     /// One full training step (see the module docs). Collective over the world.
-    pub fn step(
-        &mut self,
-        step: usize,
-    ) -> anyhow::Result<std::result::Result<StepMetrics, NonFinite>> {
+    pub fn step(&mut self, step: usize) -> Result<std::result::Result<StepMetrics, NonFinite>> {
         let t0 = Instant::now();
         let (mut grads, losses, exec) = self.compute_grads(step)?;
         self.sync_grads(&mut grads)?;
@@ -431,7 +430,7 @@ impl<'a, M: Model> Worker<'a, M> {
     /// replica scores its rows of every batch, microbatch by microbatch, forward only,
     /// through the pipeline. `None` when the data has no validation split. Collective
     /// over the world; every rank gets the same value.
-    pub fn validation_loss(&self, batches: usize) -> anyhow::Result<Option<f64>> {
+    pub fn validation_loss(&self, batches: usize) -> Result<Option<f64>> {
         if self.data.validation().is_none() {
             return Ok(None);
         }
@@ -446,7 +445,7 @@ impl<'a, M: Model> Worker<'a, M> {
         for (_, g) in &self.stages {
             g.begin_step()?;
         }
-        let scored = (|| -> anyhow::Result<(f64, f64)> {
+        let scored = (|| -> Result<(f64, f64)> {
             let (mut sum, mut count) = (0.0, 0.0);
             for b in 0..batches {
                 let Some(batch) =
@@ -547,13 +546,17 @@ impl<'a, M: Model> Worker<'a, M> {
         for (p, mom) in self.params.iter().zip(self.opt.moments.iter_mut()) {
             let get = |map: &HashMap<String, Tensor>| -> Result<Vec<f64>> {
                 let Some(full) = map.get(&p.name) else {
-                    candle_core::bail!("the checkpoint has no optimizer state for {}", p.name);
+                    fail!(
+                        Checkpoint,
+                        "the checkpoint has no optimizer state for {}",
+                        p.name
+                    );
                 };
-                p.spec
+                Ok(p.spec
                     .shard_of(&p.name, full, rank, n)?
                     .flatten_all()?
                     .to_dtype(DType::F64)?
-                    .to_vec1()
+                    .to_vec1()?)
             };
             mom.m = get(m)?;
             mom.v = get(v)?;

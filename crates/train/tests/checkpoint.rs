@@ -41,7 +41,7 @@ fn run(
         resume,
         ..TrainOptions::default()
     };
-    train(cfg, &Corpus::bundled(), &opts)
+    Ok(train(cfg, &Corpus::bundled(), &opts)?)
 }
 
 fn losses(r: &TrainReport) -> Vec<f64> {

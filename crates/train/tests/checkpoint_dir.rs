@@ -40,7 +40,7 @@ fn opts(dir: &Path, save_every: usize, keep: usize, resume: Option<Resume>) -> T
 }
 
 fn run(cfg: &TrainConfig<GptConfig>, opts: &TrainOptions) -> anyhow::Result<TrainReport> {
-    train(cfg, &Corpus::bundled(), opts)
+    Ok(train(cfg, &Corpus::bundled(), opts)?)
 }
 
 fn steps_in(dir: &Path) -> Vec<usize> {

@@ -134,7 +134,8 @@ fn token_files_train_with_their_val_bin_and_a_vocabulary_of_their_own() {
         ..spec
     })
     .err()
-    .unwrap();
+    .unwrap()
+    .to_string();
     assert!(e.contains("the validation split is val.bin"), "{e}");
     std::fs::remove_dir_all(&dir).unwrap();
 }

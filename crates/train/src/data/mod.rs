@@ -28,6 +28,7 @@
 //!
 //! Validation batch `b` is the sequential batch of step `b` over the validation split.
 
+use crate::error::{err, TrainError};
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -292,12 +293,13 @@ pub trait Dataset: Send + Sync {
 
     /// Refuses data a model of `vocab_size` cannot read or that has no window of
     /// `seq_len + 1` tokens, naming the split and the offset of the offending token.
-    fn check(&self, vocab_size: usize, seq_len: usize) -> std::result::Result<(), String> {
+    fn check(&self, vocab_size: usize, seq_len: usize) -> std::result::Result<(), TrainError> {
         let splits = std::iter::once((self.train(), ""))
             .chain(self.validation().map(|v| (v, " (the validation split)")));
         for (split, what) in splits {
             if split.len() < seq_len + 1 {
-                return Err(format!(
+                return Err(err!(
+                    Data,
                     "the data {}{what} has {} tokens, fewer than one window of --seq-len + 1 = {}",
                     split.name,
                     split.len(),
@@ -305,7 +307,8 @@ pub trait Dataset: Send + Sync {
                 ));
             }
             if let Some((id, at)) = split.largest.filter(|(id, _)| *id as usize >= vocab_size) {
-                return Err(format!(
+                return Err(err!(
+                    Data,
                     "the data {}{what} has token id {id} at token offset {at}, but the \
                      vocabulary has {vocab_size} ids (0 to {}): pass --vocab-size {} or more, \
                      or check the file's token width",
@@ -438,7 +441,7 @@ impl Corpus {
     /// Reads a regular text file whole. A device, pipe or directory (`/dev/zero` would be
     /// read until memory runs out) and a file larger than the memory available now
     /// are refused, naming the path.
-    pub fn from_file(path: &Path) -> std::result::Result<Corpus, String> {
+    pub fn from_file(path: &Path) -> std::result::Result<Corpus, TrainError> {
         Corpus::from_file_within(path, crate::memory_info().available)
     }
 
@@ -446,7 +449,7 @@ impl Corpus {
     pub fn from_file_within(
         path: &Path,
         available: Option<u64>,
-    ) -> std::result::Result<Corpus, String> {
+    ) -> std::result::Result<Corpus, TrainError> {
         let bytes = read_text(path, available)?;
         Ok(Corpus::from_bytes(path.display().to_string(), bytes))
     }
@@ -462,7 +465,7 @@ impl Corpus {
 
     /// Refuses a corpus too short for one window of `seq_len + 1` tokens (in either
     /// split). [`Dataset::check`] also checks the vocabulary.
-    pub fn check_len(&self, seq_len: usize) -> std::result::Result<(), String> {
+    pub fn check_len(&self, seq_len: usize) -> std::result::Result<(), TrainError> {
         self.check(usize::MAX, seq_len)
     }
 }
@@ -486,25 +489,28 @@ impl Dataset for Corpus {
 }
 
 /// Reads a regular file whole, refusing what is not one or does not fit in `available`.
-fn read_text(path: &Path, available: Option<u64>) -> std::result::Result<Vec<u8>, String> {
+fn read_text(path: &Path, available: Option<u64>) -> std::result::Result<Vec<u8>, TrainError> {
     let shown = path.display();
-    let meta = std::fs::metadata(path).map_err(|e| format!("cannot read --data {shown}: {e}"))?;
+    let meta =
+        std::fs::metadata(path).map_err(|e| err!(Data, "cannot read --data {shown}: {e}"))?;
     if !meta.is_file() {
-        return Err(format!(
+        return Err(err!(
+            Data,
             "--data {shown} is not a regular file: give a text file (a device, pipe or \
              directory cannot be read as a corpus)"
         ));
     }
     if let Some(available) = available {
         if meta.len() > available {
-            return Err(format!(
+            return Err(err!(
+                Data,
                 "--data {shown} has {} bytes, more than the {available} bytes of memory \
                  available: the corpus is read into memory whole; use a smaller file",
                 meta.len()
             ));
         }
     }
-    std::fs::read(path).map_err(|e| format!("cannot read --data {shown}: {e}"))
+    std::fs::read(path).map_err(|e| err!(Data, "cannot read --data {shown}: {e}"))
 }
 
 /// Where the data comes from: the command line's data flags.
@@ -523,10 +529,11 @@ pub struct DataSpec {
 
 /// Opens the dataset `spec` describes (see the module docs). Every problem is an error
 /// naming the file, before any work.
-pub fn open(spec: &DataSpec) -> std::result::Result<Corpus, String> {
+pub fn open(spec: &DataSpec) -> std::result::Result<Corpus, TrainError> {
     let f = spec.val_fraction;
     if !(f.is_finite() && (0.0..1.0).contains(&f)) {
-        return Err(format!(
+        return Err(err!(
+            Data,
             "--val-fraction must be at least 0 and below 1 (0: no validation split), got {f}"
         ));
     }
@@ -539,11 +546,13 @@ pub fn open(spec: &DataSpec) -> std::result::Result<Corpus, String> {
                 false => c,
             })
         }
-        (None, Some(t)) => Err(format!(
+        (None, Some(t)) => Err(err!(
+            Data,
             "--tokenizer {} needs --data: the text to tokenize",
             t.display()
         )),
-        (Some(p), Some(t)) if is_bin(p) => Err(format!(
+        (Some(p), Some(t)) if is_bin(p) => Err(err!(
+            Data,
             "--data {} is a token file (.bin) and needs no --tokenizer {}: give the text \
              with --tokenizer, or the token file alone",
             p.display(),
@@ -566,7 +575,7 @@ fn open_token_file(
     path: &Path,
     width: TokenWidth,
     val_fraction: f64,
-) -> std::result::Result<Corpus, String> {
+) -> std::result::Result<Corpus, TrainError> {
     let train: Arc<dyn TokenSource> = Arc::new(TokenFile::open(path, width)?);
     let val_path = path.with_file_name("val.bin");
     let sibling = path.file_name().is_some_and(|n| n == "train.bin") && val_path.is_file();
@@ -575,7 +584,8 @@ fn open_token_file(
         return Ok(Corpus::split_by_fraction(name, train, val_fraction, None));
     }
     if val_fraction > 0.0 {
-        return Err(format!(
+        return Err(err!(
+            Data,
             "--val-fraction {val_fraction} with {} beside --data {}: the validation split is \
              val.bin; leave out --val-fraction",
             val_path.display(),
@@ -671,14 +681,20 @@ mod tests {
 
     #[test]
     fn only_regular_files_that_fit_in_memory_are_read() {
-        let e = Corpus::from_file(Path::new("/dev/zero")).err().unwrap();
+        let e = Corpus::from_file(Path::new("/dev/zero"))
+            .err()
+            .unwrap()
+            .to_string();
         assert!(e.contains("--data /dev/zero is not a regular file"), "{e}");
         let dir = std::env::temp_dir();
-        let e = Corpus::from_file(&dir).err().unwrap();
+        let e = Corpus::from_file(&dir).err().unwrap().to_string();
         assert!(e.contains("is not a regular file"), "{e}");
         let path = dir.join(format!("switchyard-data-{}.txt", std::process::id()));
         std::fs::write(&path, b"0123456789").unwrap();
-        let e = Corpus::from_file_within(&path, Some(9)).err().unwrap();
+        let e = Corpus::from_file_within(&path, Some(9))
+            .err()
+            .unwrap()
+            .to_string();
         assert!(
             e.contains("has 10 bytes, more than the 9 bytes of memory available"),
             "{e}"
@@ -688,7 +704,8 @@ mod tests {
         std::fs::remove_file(&path).unwrap();
         let e = Corpus::from_file(Path::new("/nonexistent/x.txt"))
             .err()
-            .unwrap();
+            .unwrap()
+            .to_string();
         assert!(e.contains("cannot read --data /nonexistent/x.txt"), "{e}");
     }
 
@@ -721,14 +738,14 @@ mod tests {
     fn token_ids_beyond_the_vocabulary_name_their_offset() {
         let c = Corpus::from_bytes("t", b"abcdez".to_vec());
         assert_eq!(c.vocab_size(), 256);
-        let e = c.check(100, 2).unwrap_err();
+        let e = c.check(100, 2).unwrap_err().to_string();
         assert!(
             e.contains("the data t has token id 122 at token offset 5"),
             "{e}"
         );
         assert!(e.contains("pass --vocab-size 123 or more"), "{e}");
         c.check(123, 2).unwrap();
-        let e = c.check(256, 6).unwrap_err();
+        let e = c.check(256, 6).unwrap_err().to_string();
         assert!(e.contains("has 6 tokens, fewer than one window"), "{e}");
     }
 }

@@ -9,6 +9,7 @@
 //! `u32` (the file name ends in `.u32.bin`). Where the directory cannot be written, the
 //! tokens stay in memory for the run (with a note).
 
+use crate::error::{err, Context, TrainError};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -27,15 +28,20 @@ impl TokenSource for Ids {
 }
 
 /// Loads a tokenizer, naming the file when it is missing or not a tokenizer.
-pub fn load(path: &Path) -> Result<tokenizers::Tokenizer, String> {
+pub fn load(path: &Path) -> Result<tokenizers::Tokenizer, TrainError> {
     let shown = path.display();
     if !path.is_file() {
-        return Err(format!(
+        return Err(err!(
+            Data,
             "--tokenizer {shown}: no such file (give a Hugging Face tokenizer.json)"
         ));
     }
-    tokenizers::Tokenizer::from_file(path)
-        .map_err(|e| format!("--tokenizer {shown} is not a Hugging Face tokenizer.json: {e}"))
+    tokenizers::Tokenizer::from_file(path).map_err(|e| {
+        err!(
+            Data,
+            "--tokenizer {shown} is not a Hugging Face tokenizer.json: {e}"
+        )
+    })
 }
 
 /// The cache file of `text` (from `data`) tokenized by the tokenizer file `tok_bytes`.
@@ -65,10 +71,10 @@ pub fn tokenize_cached(
     text: &[u8],
     tokenizer: &Path,
     val_fraction: f64,
-) -> Result<Corpus, String> {
+) -> Result<Corpus, TrainError> {
     let tok = load(tokenizer)?;
     let tok_bytes = std::fs::read(tokenizer)
-        .map_err(|e| format!("cannot read --tokenizer {}: {e}", tokenizer.display()))?;
+        .map_err(|e| err!(Data, "cannot read --tokenizer {}: {e}", tokenizer.display()))?;
     let vocab = tok.get_vocab_size(true);
     let width = TokenWidth::for_vocab(vocab);
     let cache = cache_path(data, text, &tok_bytes, width);
@@ -94,7 +100,8 @@ pub fn tokenize_cached(
         }
     };
     if source.is_empty() {
-        return Err(format!(
+        return Err(err!(
+            Data,
             "--data {} has no tokens under --tokenizer {}",
             data.display(),
             tokenizer.display()
@@ -108,9 +115,10 @@ pub fn tokenize_cached(
     ))
 }
 
-fn encode(tok: &tokenizers::Tokenizer, data: &Path, text: &[u8]) -> Result<Vec<u32>, String> {
+fn encode(tok: &tokenizers::Tokenizer, data: &Path, text: &[u8]) -> Result<Vec<u32>, TrainError> {
     let text = std::str::from_utf8(text).map_err(|e| {
-        format!(
+        err!(
+            Data,
             "--data {} is not UTF-8 text (at byte {}): a tokenizer reads text",
             data.display(),
             e.valid_up_to()
@@ -118,13 +126,13 @@ fn encode(tok: &tokenizers::Tokenizer, data: &Path, text: &[u8]) -> Result<Vec<u
     })?;
     let enc = tok
         .encode(text, false)
-        .map_err(|e| format!("cannot tokenize --data {}: {e}", data.display()))?;
+        .map_err(|e| err!(Data, "cannot tokenize --data {}: {e}", data.display()))?;
     Ok(enc.get_ids().to_vec())
 }
 
-fn write_cache(path: &Path, ids: &[u32], width: TokenWidth) -> anyhow::Result<()> {
+fn write_cache(path: &Path, ids: &[u32], width: TokenWidth) -> crate::error::Result<()> {
     let dir = path.parent().expect("a cache file has a directory");
-    std::fs::create_dir_all(dir)?;
+    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
     let bytes: Vec<u8> = match width {
         TokenWidth::U16 => ids.iter().flat_map(|&t| (t as u16).to_le_bytes()).collect(),
         TokenWidth::U32 => ids.iter().flat_map(|&t| t.to_le_bytes()).collect(),

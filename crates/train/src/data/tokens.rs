@@ -2,6 +2,7 @@
 //! nanoGPT's `prepare.py` writes with `np.uint16`) or `u32` for vocabularies over
 //! 65,536, without a header. Memory-mapped, never read into memory whole.
 
+use crate::error::{err, TrainError};
 use std::path::Path;
 
 use memmap2::Mmap;
@@ -37,12 +38,12 @@ impl TokenWidth {
 }
 
 impl std::str::FromStr for TokenWidth {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
+    type Err = TrainError;
+    fn from_str(s: &str) -> Result<Self, TrainError> {
         match s {
             "u16" => Ok(TokenWidth::U16),
             "u32" => Ok(TokenWidth::U32),
-            _ => Err(format!("a token width is u16 or u32, not {s}")),
+            _ => Err(err!(Data, "a token width is u16 or u32, not {s}")),
         }
     }
 }
@@ -59,20 +60,21 @@ impl TokenFile {
     ///
     /// The file must not change while it is mapped (truncating it would end the process
     /// with `SIGBUS`): nanoGPT's `train.bin` is written once and then only read.
-    pub fn open(path: &Path, width: TokenWidth) -> Result<TokenFile, String> {
+    pub fn open(path: &Path, width: TokenWidth) -> Result<TokenFile, TrainError> {
         let shown = path.display();
         let file =
-            std::fs::File::open(path).map_err(|e| format!("cannot read --data {shown}: {e}"))?;
+            std::fs::File::open(path).map_err(|e| err!(Data, "cannot read --data {shown}: {e}"))?;
         let meta = file
             .metadata()
-            .map_err(|e| format!("cannot read --data {shown}: {e}"))?;
+            .map_err(|e| err!(Data, "cannot read --data {shown}: {e}"))?;
         if !meta.is_file() {
-            return Err(format!(
+            return Err(err!(
+                Data,
                 "--data {shown} is not a regular file: give a token file (.bin) or a text file"
             ));
         }
         if meta.len() == 0 {
-            return Err(format!("the token file {shown} is empty"));
+            return Err(err!(Data, "the token file {shown} is empty"));
         }
         let w = width.bytes() as u64;
         if !meta.len().is_multiple_of(w) {
@@ -80,7 +82,8 @@ impl TokenFile {
                 TokenWidth::U16 => "u16",
                 TokenWidth::U32 => "u32",
             };
-            return Err(format!(
+            return Err(err!(
+                Data,
                 "the token file {shown} has {} bytes, not a whole number of {w}-byte {name} \
                  token ids: is it a token file (a flat little-endian array, as nanoGPT's \
                  prepare.py writes), and of that width (--token-width)?",
@@ -92,7 +95,7 @@ impl TokenFile {
         // valid. Another process truncating the file while it is mapped would fault
         // (SIGBUS) rather than read freed memory; the docs ask for a file that is not
         // changed during the run.
-        let map = unsafe { Mmap::map(&file) }.map_err(|e| format!("cannot map {shown}: {e}"))?;
+        let map = unsafe { Mmap::map(&file) }.map_err(|e| err!(Data, "cannot map {shown}: {e}"))?;
         Ok(TokenFile { map, width })
     }
 }
@@ -159,22 +162,26 @@ mod tests {
     fn bad_files_are_refused_naming_the_path() {
         let e = TokenFile::open(&temp("odd.bin", &[1, 2, 3]), TokenWidth::U16)
             .err()
-            .unwrap();
+            .unwrap()
+            .to_string();
         assert!(
             e.contains("odd.bin has 3 bytes, not a whole number of 2-byte u16"),
             "{e}"
         );
         let e = TokenFile::open(&temp("six.bin", &[0; 6]), TokenWidth::U32)
             .err()
-            .unwrap();
+            .unwrap()
+            .to_string();
         assert!(e.contains("not a whole number of 4-byte u32"), "{e}");
         let e = TokenFile::open(&temp("empty.bin", &[]), TokenWidth::U16)
             .err()
-            .unwrap();
+            .unwrap()
+            .to_string();
         assert!(e.contains("empty.bin is empty"), "{e}");
         let e = TokenFile::open(Path::new("/nonexistent/train.bin"), TokenWidth::U16)
             .err()
-            .unwrap();
+            .unwrap()
+            .to_string();
         assert!(
             e.contains("cannot read --data /nonexistent/train.bin"),
             "{e}"
