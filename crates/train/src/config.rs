@@ -239,7 +239,7 @@ impl<M: Model> TrainConfig<M> {
     pub fn validate(&self) -> Result<(), String> {
         let m = &self.model;
         m.validate().map_err(|e| e.to_string())?;
-        self.mesh().validate()?;
+        self.mesh().validate().map_err(|e| e.to_string())?;
         let world = self
             .dp
             .checked_mul(self.pp)
