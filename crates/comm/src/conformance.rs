@@ -13,7 +13,13 @@ use candle_core::{DType, Device, Tensor};
 
 use crate::{CommError, Communicator, Mesh, MeshShape, ReduceOp};
 
-type Check = Result<(), String>;
+/// What a check returns: a failure is a [`CommError::Conformance`] naming the check.
+pub type Check = Result<(), CommError>;
+
+/// A private check's failure, named for the suite's function it belongs to.
+fn conform(check: &'static str, r: Result<(), String>) -> Check {
+    r.map_err(|reason| CommError::Conformance { check, reason })
+}
 
 /// Buffer lengths the collectives are checked at: empty, one element, odd, and large
 /// enough to span several chunks and blocks.
@@ -55,7 +61,7 @@ fn values(t: &Tensor) -> Result<Vec<f64>, String> {
         .map_err(|e| e.to_string())
 }
 
-fn expect_eq(what: &str, got: &Tensor, want: &Tensor) -> Check {
+fn expect_eq(what: &str, got: &Tensor, want: &Tensor) -> Result<(), String> {
     if got.dims() != want.dims() || got.dtype() != want.dtype() {
         return Err(format!(
             "{what}: got shape {:?} {:?}, want {:?} {:?}",
@@ -83,6 +89,10 @@ fn ctx<T>(what: &str, r: Result<T, CommError>) -> Result<T, String> {
 
 /// Out-of-order tags, varying shapes and dtypes, empty tensors, a message to oneself.
 pub fn point_to_point(comm: &dyn Communicator) -> Check {
+    conform("point_to_point", point_to_point_checks(comm))
+}
+
+fn point_to_point_checks(comm: &dyn Communicator) -> Result<(), String> {
     let (r, n) = (comm.rank(), comm.world_size());
     let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
     let shapes: [&[usize]; 3] = [&[3, 5], &[0], &[r + 1, 2]];
@@ -136,6 +146,10 @@ fn reference_reduce(n: usize, len: usize, dtype: DType, salt: usize, op: ReduceO
 
 /// Sum, mean and max at every size and dtype.
 pub fn all_reduce(comm: &dyn Communicator) -> Check {
+    conform("all_reduce", all_reduce_checks(comm))
+}
+
+fn all_reduce_checks(comm: &dyn Communicator) -> Result<(), String> {
     let (r, n) = (comm.rank(), comm.world_size());
     for (salt, &len) in SIZES.iter().enumerate() {
         for dtype in DTYPES {
@@ -164,6 +178,10 @@ fn shaped(rank: usize, dims: &[usize], dtype: DType, salt: usize) -> Result<Tens
 
 /// Along every dim of a 3-d tensor, and of 1-d tensors of every size.
 pub fn all_gather(comm: &dyn Communicator) -> Check {
+    conform("all_gather", all_gather_checks(comm))
+}
+
+fn all_gather_checks(comm: &dyn Communicator) -> Result<(), String> {
     let (r, n) = (comm.rank(), comm.world_size());
     let mut cases: Vec<(Vec<usize>, usize)> = (0..3).map(|d| (vec![2, 3, 4], d)).collect();
     cases.extend(SIZES.iter().map(|&s| (vec![s], 0)));
@@ -189,6 +207,10 @@ pub fn all_gather(comm: &dyn Communicator) -> Check {
 
 /// Along dims 0 and 1, and of 1-d tensors of every size (times the world size).
 pub fn reduce_scatter(comm: &dyn Communicator) -> Check {
+    conform("reduce_scatter", reduce_scatter_checks(comm))
+}
+
+fn reduce_scatter_checks(comm: &dyn Communicator) -> Result<(), String> {
     let (r, n) = (comm.rank(), comm.world_size());
     let mut cases: Vec<(Vec<usize>, usize)> = vec![(vec![2 * n, 3], 0), (vec![2, 3 * n], 1)];
     cases.extend(SIZES.iter().map(|&s| (vec![s * n], 0)));
@@ -216,6 +238,10 @@ pub fn reduce_scatter(comm: &dyn Communicator) -> Check {
 
 /// From every root; non-root inputs are ignored.
 pub fn broadcast(comm: &dyn Communicator) -> Check {
+    conform("broadcast", broadcast_checks(comm))
+}
+
+fn broadcast_checks(comm: &dyn Communicator) -> Result<(), String> {
     let (r, n) = (comm.rank(), comm.world_size());
     for root in 0..n {
         for dtype in DTYPES {
@@ -234,6 +260,10 @@ pub fn broadcast(comm: &dyn Communicator) -> Check {
 
 /// Parts of a different shape for every (source, destination) pair.
 pub fn all_to_all(comm: &dyn Communicator) -> Check {
+    conform("all_to_all", all_to_all_checks(comm))
+}
+
+fn all_to_all_checks(comm: &dyn Communicator) -> Result<(), String> {
     let (r, n) = (comm.rank(), comm.world_size());
     let parts = (0..n)
         .map(|d| shaped(r, &[r + 1, d + 1], DType::F32, d))
@@ -257,6 +287,10 @@ pub fn all_to_all(comm: &dyn Communicator) -> Check {
 
 /// A barrier, then a check that nobody ran ahead by more than one collective.
 pub fn barrier(comm: &dyn Communicator) -> Check {
+    conform("barrier", barrier_checks(comm))
+}
+
+fn barrier_checks(comm: &dyn Communicator) -> Result<(), String> {
     for _ in 0..3 {
         ctx("barrier", comm.barrier())?;
     }
@@ -265,6 +299,10 @@ pub fn barrier(comm: &dyn Communicator) -> Check {
 
 /// Even and odd ranks in reversed order, then the pieces split once more.
 pub fn split(comm: &dyn Communicator) -> Check {
+    conform("split", split_checks(comm))
+}
+
+fn split_checks(comm: &dyn Communicator) -> Result<(), String> {
     let (r, n) = (comm.rank(), comm.world_size());
     let sub = ctx("split", comm.split(r % 2, n - r))?;
     let mine: Vec<usize> = (0..n).filter(|q| q % 2 == r % 2).rev().collect();
@@ -316,6 +354,10 @@ pub fn split(comm: &dyn Communicator) -> Check {
 
 /// With 8 ranks: the groups of a 2×2×2 mesh. With other sizes: a `1 × n × 1` mesh.
 pub fn mesh(comm: &dyn Communicator) -> Check {
+    conform("mesh", mesh_checks(comm))
+}
+
+fn mesh_checks(comm: &dyn Communicator) -> Result<(), String> {
     let n = comm.world_size();
     let shape = if n == 8 {
         MeshShape::new(2, 2, 2)
@@ -373,7 +415,7 @@ pub fn mesh(comm: &dyn Communicator) -> Check {
     Ok(())
 }
 
-fn expect_err<T>(what: &str, r: Result<T, CommError>, want: &str) -> Check {
+fn expect_err<T>(what: &str, r: Result<T, CommError>, want: &str) -> Result<(), String> {
     match r {
         Ok(_) => Err(format!("{what}: succeeded but should have failed")),
         Err(e) => {
@@ -392,6 +434,10 @@ fn expect_err<T>(what: &str, r: Result<T, CommError>, want: &str) -> Check {
 
 /// Misuse gives clear errors on every rank and leaves the group usable.
 pub fn misuse(comm: &dyn Communicator) -> Check {
+    conform("misuse", misuse_checks(comm))
+}
+
+fn misuse_checks(comm: &dyn Communicator) -> Result<(), String> {
     let (r, n) = (comm.rank(), comm.world_size());
     let t = input(r, 4, DType::F32, 0);
     expect_err("send out of range", comm.send(&t, n, 0), "invalid")?;

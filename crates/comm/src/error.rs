@@ -5,6 +5,8 @@
 use std::fmt;
 use std::time::Duration;
 
+use crate::MeshShape;
+
 /// Who a blocked operation was waiting for.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Peer {
@@ -73,6 +75,27 @@ pub enum CommError {
     /// The requested backend is not compiled into this build.
     #[error("{0}")]
     Unavailable(String),
+    /// A mesh with an empty axis ([`MeshShape::validate`]).
+    #[error("every mesh axis needs at least 1 rank, got {0}")]
+    EmptyMeshAxis(MeshShape),
+    /// A rank's compute pool could not be built ([`crate::threads::worker_pool`]).
+    #[error("cannot build a compute pool of {threads} threads: {reason}")]
+    Threads {
+        /// The threads asked for.
+        threads: usize,
+        /// Rayon's error.
+        reason: String,
+    },
+    /// A check of the [conformance suite](crate::conformance) failed: a backend's result
+    /// differs from the reference, or an operation that should succeed failed (or one
+    /// that should fail succeeded). The reason starts with the operation checked.
+    #[error("{reason}")]
+    Conformance {
+        /// The suite's function that failed (`all_reduce`, `misuse`, ...).
+        check: &'static str,
+        /// What differed, from the operation and its arguments on.
+        reason: String,
+    },
 }
 
 impl From<CommError> for candle_core::Error {
@@ -82,3 +105,32 @@ impl From<CommError> for candle_core::Error {
 }
 
 pub type Result<T> = std::result::Result<T, CommError>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layout_thread_and_conformance_texts() {
+        assert_eq!(
+            CommError::EmptyMeshAxis(MeshShape::new(2, 0, 1)).to_string(),
+            "every mesh axis needs at least 1 rank, got dp=2 pp=0 tp=1"
+        );
+        let e = CommError::Threads {
+            threads: 4,
+            reason: "out of threads".into(),
+        };
+        assert_eq!(
+            e.to_string(),
+            "cannot build a compute pool of 4 threads: out of threads"
+        );
+        let e = CommError::Conformance {
+            check: "all_reduce",
+            reason: "all_reduce Sum len 7 F32: element 3 is 1, want 2".into(),
+        };
+        assert_eq!(
+            e.to_string(),
+            "all_reduce Sum len 7 F32: element 3 is 1, want 2"
+        );
+    }
+}

@@ -57,9 +57,9 @@ impl MeshShape {
     }
 
     /// Refuses a mesh with an empty axis.
-    pub fn validate(&self) -> std::result::Result<(), String> {
+    pub fn validate(&self) -> Result<()> {
         if self.dp == 0 || self.pp == 0 || self.tp == 0 {
-            return Err(format!("every mesh axis needs at least 1 rank, got {self}"));
+            return Err(CommError::EmptyMeshAxis(*self));
         }
         Ok(())
     }
@@ -104,7 +104,7 @@ impl Mesh {
             rank,
             reason,
         };
-        shape.validate().map_err(invalid)?;
+        shape.validate().map_err(|e| invalid(e.to_string()))?;
         if shape.world_size() != world.world_size() {
             return Err(invalid(format!(
                 "the mesh {shape} needs {} ranks but the world has {}",
@@ -166,6 +166,10 @@ mod tests {
 
     #[test]
     fn empty_axis_is_refused() {
-        assert!(MeshShape::new(1, 0, 2).validate().is_err());
+        let e = MeshShape::new(1, 0, 2).validate().unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "every mesh axis needs at least 1 rank, got dp=1 pp=0 tp=2"
+        );
     }
 }

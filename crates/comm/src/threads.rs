@@ -13,6 +13,8 @@
 //! repository's `.cargo/config.toml` sets `CANDLE_NUM_THREADS=1` for tests and benches, so
 //! element-wise work runs on the calling worker instead of contending for one shared pool.
 
+use crate::CommError;
+
 /// The number of cores this process may use.
 pub fn available_cores() -> usize {
     std::thread::available_parallelism()
@@ -27,11 +29,14 @@ pub fn default_threads_per_worker(workers: usize) -> usize {
 
 /// A rayon pool of `threads` threads whose first thread is the calling thread, so that
 /// the rank keeps running on the thread the launcher gave it.
-pub fn worker_pool(threads: usize) -> Result<rayon::ThreadPool, String> {
+pub fn worker_pool(threads: usize) -> crate::Result<rayon::ThreadPool> {
     rayon::ThreadPoolBuilder::new()
         .num_threads(threads.max(1))
         .use_current_thread()
         .thread_name(|i| format!("switchyard-compute-{i}"))
         .build()
-        .map_err(|e| format!("cannot build a compute pool of {threads} threads: {e}"))
+        .map_err(|e| CommError::Threads {
+            threads,
+            reason: e.to_string(),
+        })
 }

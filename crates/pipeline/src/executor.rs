@@ -4,12 +4,12 @@ use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
-use candle_core::{bail, Result, Tensor, Var};
+use candle_core::{Result, Tensor, Var};
 use serde::Serialize;
 use switchyard_comm::Communicator;
 use switchyard_schedule::{lower, tag, validate, Action, Op, Program};
 
-use crate::Stage;
+use crate::{PipelineError, Stage};
 
 /// One step's microbatches.
 pub struct Microbatches<'b> {
@@ -93,9 +93,7 @@ impl CheckedProgram {
     /// Lowers `program` if it spans several ranks and has no communication ops, then
     /// validates it; an invalid program is refused with the validator's message.
     pub fn new(program: &Program) -> Result<CheckedProgram> {
-        let invalid = |e: switchyard_schedule::ScheduleError| {
-            candle_core::Error::Msg(format!("invalid pipeline program: {e}"))
-        };
+        let invalid = PipelineError::InvalidProgram;
         let program = match program.num_ranks() > 1 && !program.is_lowered() {
             true => lower(program).map_err(invalid)?,
             false => program.clone(),
@@ -157,18 +155,18 @@ impl<'a> Executor<'a> {
     ) -> Result<Self> {
         let program = checked.program();
         if comm.world_size() != program.num_ranks() {
-            bail!(
-                "the program has {} ranks but the pipeline group has {}",
-                program.num_ranks(),
-                comm.world_size()
-            );
+            return Err(PipelineError::RankCount {
+                program: program.num_ranks(),
+                group: comm.world_size(),
+            }
+            .into());
         }
         let rank = comm.rank() as u32;
         let want = program.stages_of_rank(rank);
         let stages: BTreeMap<u32, &dyn Stage> = stages.into_iter().collect();
         let have: Vec<u32> = stages.keys().copied().collect();
         if have != want {
-            bail!("rank {rank} runs stages {want:?} of the program but was given stages {have:?}");
+            return Err(PipelineError::StageSetMismatch { rank, want, have }.into());
         }
         Ok(Executor {
             program: checked,
@@ -197,7 +195,11 @@ impl<'a> Executor<'a> {
     fn peer(&self, a: &Action) -> Result<usize> {
         match self.program().peer_rank(a) {
             Some(r) => Ok(r as usize),
-            None => bail!("rank {}: {a} has no peer stage", self.rank),
+            None => Err(PipelineError::NoPeer {
+                rank: self.rank,
+                action: *a,
+            }
+            .into()),
         }
     }
 
@@ -249,15 +251,21 @@ impl<'a> Executor<'a> {
                     let stage = self.stage(s)?;
                     let (x, input) = if s == 0 {
                         let Some(x) = mb.inputs.get(m as usize) else {
-                            bail!(
-                                "rank {r}: {a} needs input microbatch {m}, but only {} were given",
-                                mb.inputs.len()
-                            );
+                            return Err(PipelineError::MissingMicrobatch {
+                                rank: r,
+                                action: *a,
+                                given: mb.inputs.len(),
+                            }
+                            .into());
                         };
                         (x.clone(), None)
                     } else {
                         let Some(x) = acts.remove(&key) else {
-                            bail!("rank {r}: {a} has no input activation (no {s}RF{m} before it, and stage {} is not on this rank)", s - 1);
+                            return Err(PipelineError::MissingInput {
+                                rank: r,
+                                action: *a,
+                            }
+                            .into());
                         };
                         let v = Var::from_tensor(&x)?;
                         (v.as_tensor().clone(), Some(v))
@@ -287,20 +295,32 @@ impl<'a> Executor<'a> {
                 Op::B | Op::I => {
                     let stage = self.stage(s)?;
                     let Some(st) = stash.remove(&key) else {
-                        bail!("rank {r}: {a} runs before the forward {s}F{m}");
+                        return Err(PipelineError::BackwardBeforeForward {
+                            rank: r,
+                            action: *a,
+                        }
+                        .into());
                     };
                     let root = if s == last {
                         st.output.affine(mb.loss_scale, 0.0)?
                     } else {
                         let Some(g) = grads_in.remove(&key) else {
-                            bail!("rank {r}: {a} has no output gradient (no {s}RB{m} before it, and stage {} is not on this rank)", s + 1);
+                            return Err(PipelineError::MissingGradient {
+                                rank: r,
+                                action: *a,
+                            }
+                            .into());
                         };
                         st.output.mul(&g)?.sum_all()?
                     };
                     let grads = root.backward()?;
                     if let Some(input) = &st.input {
                         let Some(gi) = grads.get(input.as_tensor()) else {
-                            bail!("rank {r}: {a}: the stage output does not depend on its input");
+                            return Err(PipelineError::InputUnused {
+                                rank: r,
+                                action: *a,
+                            }
+                            .into());
                         };
                         self.hand_off(&mut grads_in, &mut outbox, s - 1, m, gi.clone(), true);
                     }
@@ -319,7 +339,11 @@ impl<'a> Executor<'a> {
                 }
                 Op::W => {
                     let Some(pg) = pending_w.remove(&key) else {
-                        bail!("rank {r}: {a} runs before its input-gradient half {s}I{m}");
+                        return Err(PipelineError::WeightBeforeInput {
+                            rank: r,
+                            action: *a,
+                        }
+                        .into());
                     };
                     add_into(acc.get_mut(&s).expect("stage of this rank"), pg)?;
                     *held.get_mut(&s).expect("stage of this rank") -= 1;
@@ -327,10 +351,11 @@ impl<'a> Executor<'a> {
                 Op::SendF | Op::SendB => {
                     let is_grad = a.op == Op::SendB;
                     let Some(t) = outbox.remove(&(s, m, is_grad)) else {
-                        bail!(
-                            "rank {r}: {a} has nothing to send (its {} has not run)",
-                            if is_grad { "backward" } else { "forward" }
-                        );
+                        return Err(PipelineError::NothingToSend {
+                            rank: r,
+                            action: *a,
+                        }
+                        .into());
                     };
                     self.comm.send(&t, self.peer(a)?, tag(a))?;
                 }
@@ -369,10 +394,7 @@ impl<'a> Executor<'a> {
                     .map(|(s, m, g)| format!("{s}{}{m} never sent", if *g { "SB" } else { "SF" })),
             );
             left.sort();
-            bail!(
-                "rank {r}: the program left work unfinished: {}",
-                left.join(", ")
-            );
+            return Err(PipelineError::Unfinished { rank: r, left }.into());
         }
         stats.wall = start.elapsed();
         Ok(StepOutput {
@@ -385,7 +407,11 @@ impl<'a> Executor<'a> {
     fn stage(&self, s: u32) -> Result<&'a dyn Stage> {
         match self.stages.get(&s) {
             Some(st) => Ok(*st),
-            None => bail!("rank {}: stage {s} does not run on this rank", self.rank),
+            None => Err(PipelineError::StageNotOnRank {
+                rank: self.rank,
+                stage: s,
+            }
+            .into()),
         }
     }
 

@@ -31,6 +31,16 @@
 //! number of microbatches whose activations it holds (per rank and per stage), and the
 //! time of every action (a trace that opens in Perfetto).
 //!
+//! ## Errors
+//!
+//! The executor refuses, with a [`PipelineError`], a program that does not lower or
+//! validate, stages that are not those the program puts on the rank, and actions it
+//! cannot run in the order given (a backward before its forward, a `W` before its `I`,
+//! a missing input or gradient, work left unfinished). These are returned as
+//! [`candle_core::Error`] (wrapped, as switchyard-shard does with its errors), so they
+//! travel through `?` next to the stages' own candle errors; the message names the rank
+//! and the action (`rank 1: 1B3 runs before the forward 1F3`).
+//!
 //! ## Example: two stages on two threads
 //!
 //! ```
@@ -63,9 +73,11 @@
 //!   [`Stage`] of your own, pipelined and tensor-parallel (example `own_model`).
 //! * [Chapter 6, "A custom schedule as CSV"](https://github.com/switchyard-rs/switchyard/blob/main/docs/tutorial/06-custom-schedule.md).
 
+mod error;
 mod executor;
 mod stage;
 
+pub use error::PipelineError;
 pub use executor::{
     step_bubbles, CheckedProgram, Executor, Microbatches, StepOutput, StepStats, TraceEvent,
 };

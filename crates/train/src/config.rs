@@ -252,7 +252,7 @@ impl<M: Model> TrainConfig<M> {
     pub fn validate(&self) -> Result<(), TrainError> {
         let m = &self.model;
         m.validate()?;
-        self.mesh().validate().map_err(TrainError::Config)?;
+        self.mesh().validate()?;
         let world = self
             .dp
             .checked_mul(self.pp)

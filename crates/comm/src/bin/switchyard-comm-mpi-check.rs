@@ -60,7 +60,7 @@ fn main() {
 }
 
 fn conformance_mode(comm: &Arc<dyn Communicator>) -> Result<(), String> {
-    conformance::run_all(&**comm)?;
+    conformance::run_all(&**comm).map_err(|e| e.to_string())?;
     same_bits_as_local(comm)?;
     wide_tags(comm)?;
     shapes_that_differ(comm)?;

@@ -379,7 +379,7 @@ fn run_rank<T: Send, E: fmt::Display>(
     };
     match threads::worker_pool(threads) {
         Ok(pool) => pool.install(body),
-        Err(e) => Err((FailureKind::Error, e)),
+        Err(e) => Err((FailureKind::Error, e.to_string())),
     }
 }
 
