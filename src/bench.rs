@@ -20,6 +20,18 @@ use switchyard_schedule::{ScheduleChoice, ScheduleKind};
 use switchyard_train::data::Corpus;
 use switchyard_train::{train, TrainConfig, TrainOptions};
 
+/// What can go wrong in a benchmark.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum BenchError {
+    /// A preset or setting no row can run, naming the `switchyard bench` flag.
+    #[error("{0}")]
+    Preset(String),
+    /// A row's training run failed.
+    #[error(transparent)]
+    Train(#[from] switchyard_train::TrainError),
+}
+
 /// A workload: the model, the batch, and how many steps to time.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Preset {
@@ -39,7 +51,7 @@ pub struct Preset {
 impl Preset {
     /// `reference` (the workload: d 256, 8 layers, 8 heads, T 128, 32 sequences),
     /// `small` (d 128, 4 layers, T 64, 16 sequences) or `tiny` (seconds, for smoke tests).
-    pub fn named(name: &str) -> Result<Preset, String> {
+    pub fn named(name: &str) -> Result<Preset, BenchError> {
         let model = |d: usize, layers: usize, heads: usize, t: usize| GptConfig {
             vocab_size: 256,
             block_size: t,
@@ -53,9 +65,9 @@ impl Preset {
             "small" => (model(128, 4, 4, 64), 16, 64, 2, 5),
             "tiny" => (model(32, 2, 4, 16), 8, 16, 1, 2),
             other => {
-                return Err(format!(
+                return Err(BenchError::Preset(format!(
                     "unknown preset {other}: use reference, small or tiny"
-                ))
+                )))
             }
         };
         Ok(Preset {
@@ -71,27 +83,29 @@ impl Preset {
 
     /// Refuses settings no row can run, naming the `switchyard bench` flag: timed steps
     /// and microbatches must be at least 1, and the microbatches must divide the batch.
-    pub fn check(&self) -> Result<(), String> {
+    pub fn check(&self) -> Result<(), BenchError> {
         if self.steps == 0 {
-            return Err(
+            return Err(BenchError::Preset(
                 "--steps must be at least 1: each row reports the median of its timed steps".into(),
-            );
+            ));
         }
         if self.microbatches == 0 {
-            return Err("--microbatches must be at least 1".into());
+            return Err(BenchError::Preset(
+                "--microbatches must be at least 1".into(),
+            ));
         }
         if !self.batch.is_multiple_of(self.microbatches) {
             let divisors: Vec<String> = (1..=self.batch)
                 .filter(|d| self.batch.is_multiple_of(*d))
                 .map(|d| d.to_string())
                 .collect();
-            return Err(format!(
+            return Err(BenchError::Preset(format!(
                 "--microbatches {} does not divide the {} preset's batch of {} sequences: use one of {}",
                 self.microbatches,
                 self.name,
                 self.batch,
                 divisors.join(", ")
-            ));
+            )));
         }
         Ok(())
     }
@@ -225,7 +239,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 /// Trains `c` on `p` in this process and measures it (speed-up and MFU are filled in by
 /// [`Report::new`]).
-pub fn run_case(p: &Preset, c: &Case) -> anyhow::Result<Row> {
+pub fn run_case(p: &Preset, c: &Case) -> Result<Row, BenchError> {
     let cfg = config(p, c);
     let report = train(&cfg, &Corpus::bundled(), &TrainOptions::default())?;
     let timed: Vec<f64> = report
@@ -524,7 +538,10 @@ mod tests {
                 config(&p, &c).validate().unwrap();
             }
         }
-        assert!(Preset::named("huge").unwrap_err().contains("reference"));
+        assert!(Preset::named("huge")
+            .unwrap_err()
+            .to_string()
+            .contains("reference"));
         // 6 × 6.38M non-embedding parameters + 6 · 8 · 256 · 129.
         let r = Preset::named("reference").unwrap();
         assert_eq!(r.tokens_per_step(), 4096);
@@ -580,13 +597,14 @@ mod tests {
         };
         assert!(with(|p| p.steps = 0)
             .unwrap_err()
+            .to_string()
             .starts_with("--steps must be at least 1"));
         assert_eq!(
-            with(|p| p.microbatches = 3).unwrap_err(),
+            with(|p| p.microbatches = 3).unwrap_err().to_string(),
             "--microbatches 3 does not divide the tiny preset's batch of 8 sequences: use one of 1, 2, 4, 8"
         );
         assert_eq!(
-            with(|p| p.microbatches = 0).unwrap_err(),
+            with(|p| p.microbatches = 0).unwrap_err().to_string(),
             "--microbatches must be at least 1"
         );
         // Every count the message offers runs every row.
