@@ -3,10 +3,10 @@
 use std::io::Write;
 use std::path::PathBuf;
 
-use anyhow::anyhow;
+use anyhow::{anyhow, Context};
 use clap::Args;
 use switchyard_models::sample::sample_with;
-use switchyard_models::GptConfig;
+use switchyard_models::{GptConfig, Model};
 use switchyard_train::data::{self, DataSpec, Dataset, TokenWidth};
 use switchyard_train::weights::{check_destination, evaluate, Weights};
 
@@ -18,12 +18,26 @@ pub struct ExportArgs {
     /// A checkpoint directory (its newest complete checkpoint) or a step-N directory
     #[arg(long)]
     checkpoint: PathBuf,
-    /// The .safetensors file to write (nanoGPT names and shapes); not inside the checkpoint
+    /// What to write: `nanogpt` (one .safetensors file, nanoGPT names and shapes) or
+    /// `hf-gpt2` (a directory that transformers' GPT2LMHeadModel.from_pretrained loads)
+    #[arg(long, value_enum, default_value_t = ExportFormat::Nanogpt)]
+    format: ExportFormat,
+    /// The file (nanogpt) or directory (hf-gpt2) to write; not inside the checkpoint
     #[arg(long)]
     out: PathBuf,
+    /// With hf-gpt2: the run's Hugging Face tokenizer.json, copied beside the weights
+    #[arg(long, value_name = "FILE")]
+    tokenizer: Option<PathBuf>,
     /// Replace --out if it exists
     #[arg(long)]
     force: bool,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum ExportFormat {
+    Nanogpt,
+    #[value(name = "hf-gpt2")]
+    HfGpt2,
 }
 
 /// The weights at `path`, with a note on stderr when a file carries no checksum.
@@ -40,13 +54,48 @@ fn load(path: &std::path::Path, heads: usize) -> anyhow::Result<Weights<GptConfi
 }
 
 pub fn export(a: ExportArgs) -> anyhow::Result<()> {
-    check_destination(&a.out, a.force, Some(&a.checkpoint))?;
+    if a.format == ExportFormat::Nanogpt {
+        if a.tokenizer.is_some() {
+            return Err(anyhow!(
+                "--tokenizer goes with --format hf-gpt2 (a nanogpt export is one file)"
+            ));
+        }
+        check_destination(&a.out, a.force, Some(&a.checkpoint))?;
+    }
+    let extra = match &a.tokenizer {
+        Some(t) => vec![(
+            "tokenizer.json",
+            std::fs::read(t).with_context(|| format!("cannot read --tokenizer {}", t.display()))?,
+        )],
+        None => Vec::new(),
+    };
     let w = load(&a.checkpoint, DEFAULT_HEADS)?;
-    w.export_to(&a.out, a.force)?;
+    let tensors = match a.format {
+        ExportFormat::Nanogpt => {
+            w.export_to(&a.out, a.force)?;
+            w.export_tensors()?.len()
+        }
+        ExportFormat::HfGpt2 => {
+            let source = a.checkpoint.canonicalize()?;
+            let parent = match a.out.parent() {
+                Some(p) if !p.as_os_str().is_empty() => p,
+                _ => std::path::Path::new("."),
+            };
+            if parent.canonicalize()?.starts_with(&source) {
+                return Err(anyhow!(
+                    "--out {} is inside {}, the checkpoint being exported: write the export elsewhere",
+                    a.out.display(),
+                    a.checkpoint.display()
+                ));
+            }
+            w.export_hf(&a.out, &extra, a.force)?;
+            w.config.hf_export(&w.tensors)?.1.len()
+        }
+    };
     println!(
         "wrote {} ({} tensors, {:.2}M parameters)",
         a.out.display(),
-        w.export_tensors()?.len(),
+        tensors,
         w.config.param_count() as f64 / 1e6
     );
     Ok(())

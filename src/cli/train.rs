@@ -146,8 +146,9 @@ pub struct TrainArgs {
     /// Resume with a --seed other than the checkpoint's (changes the data order)
     #[arg(long)]
     pub allow_seed_change: bool,
-    /// Start from the weights in a .safetensors file with nanoGPT names (e.g. from `switchyard export` or PyTorch)
-    #[arg(long, value_name = "FILE")]
+    /// Start from the weights in a .safetensors file with nanoGPT names (e.g. from `switchyard export` or PyTorch),
+    /// or a Hugging Face GPT-2 directory (config.json + model.safetensors, e.g. GPT-2 from the Hub)
+    #[arg(long, value_name = "PATH")]
     pub init: Option<PathBuf>,
     /// `local`: one thread per rank in this process. `mpi`: this process is one rank of
     /// an `mpirun -np <dp·pp·tp>` job (build with `--features mpi`)

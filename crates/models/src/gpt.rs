@@ -341,6 +341,22 @@ impl Model for GptConfig {
         Ok((c, tensors))
     }
 
+    /// `GPT2LMHeadModel`'s format (see [`crate::hf`]).
+    fn hf_export(
+        &self,
+        params: &HashMap<String, Tensor>,
+    ) -> std::result::Result<(serde_json::Value, Vec<(String, Tensor)>), ModelError> {
+        crate::hf::to_hf(self, params)
+    }
+
+    fn hf_import(
+        &self,
+        config: &serde_json::Value,
+        tensors: HashMap<String, Tensor>,
+    ) -> std::result::Result<(GptConfig, HashMap<String, Tensor>), ModelError> {
+        crate::hf::from_hf(config, tensors)
+    }
+
     /// A tied table also under `lm_head.weight`, as PyTorch's state dict has it.
     fn export(&self, tensors: &mut Vec<(String, Tensor)>) -> std::result::Result<(), ModelError> {
         if self.tied_embeddings {

@@ -46,6 +46,7 @@
 mod config;
 mod error;
 mod gpt;
+pub mod hf;
 mod mlp;
 mod model;
 pub mod plan;

@@ -122,6 +122,33 @@ pub trait Model:
     fn export(&self, _tensors: &mut Vec<(String, Tensor)>) -> Result<(), ModelError> {
         Ok(())
     }
+
+    /// Hugging Face `transformers` interop: this model's `config.json` and its
+    /// parameters as `transformers` names and lays them out, sorted by name. Default:
+    /// refused (the model has no `transformers` counterpart).
+    fn hf_export(
+        &self,
+        _params: &HashMap<String, Tensor>,
+    ) -> Result<(serde_json::Value, Vec<(String, Tensor)>), ModelError> {
+        Err(no_hf::<Self>())
+    }
+
+    /// The inverse of [`Model::hf_export`]: a `transformers` directory's `config.json` and
+    /// tensors as this model (`self` is only a hint). Default: refused.
+    fn hf_import(
+        &self,
+        _config: &serde_json::Value,
+        _tensors: HashMap<String, Tensor>,
+    ) -> Result<(Self, HashMap<String, Tensor>), ModelError> {
+        Err(no_hf::<Self>())
+    }
+}
+
+fn no_hf<M: Model>() -> ModelError {
+    ModelError::Weights(format!(
+        "a {} model has no Hugging Face transformers format",
+        M::NAME
+    ))
 }
 
 /// A pipeline stage of a [`Model`] that, when it is the last stage, scores its output.

@@ -157,6 +157,73 @@ pub fn check_destination(out: &Path, force: bool, source: Option<&Path>) -> Resu
     Ok(())
 }
 
+/// Writes a directory of `files` (name, bytes) at `out`: into a fresh directory beside it
+/// (`.NAME.tmp-PID-N`), each file synced, then renamed onto `out`. An existing `out`
+/// (a directory this function wrote, or any directory) is refused unless `force`; with
+/// `force` it is moved aside first and removed only once the new one is in place. A
+/// file at `out` is always refused.
+pub fn write_dir(out: &Path, files: &[(&str, &[u8])], force: bool) -> Result<()> {
+    if out.is_file() {
+        fail!(
+            Weights,
+            "--out {} is a file: this format is a directory",
+            out.display()
+        );
+    }
+    if out.exists() && !force {
+        fail!(
+            Weights,
+            "--out {} already exists: pass --force to replace it",
+            out.display()
+        );
+    }
+    let name = out
+        .file_name()
+        .ok_or_else(|| err!(Weights, "{} does not name a directory", out.display()))?
+        .to_string_lossy()
+        .into_owned();
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    let fresh = |what: &str| loop {
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let p = out.with_file_name(format!(".{name}.{what}-{}-{n}", std::process::id()));
+        if !p.exists() {
+            break p;
+        }
+    };
+    let staging = fresh("tmp");
+    fs::create_dir(&staging).with_context(|| format!("cannot create {}", staging.display()))?;
+    let written = (|| -> Result<()> {
+        for (file, bytes) in files {
+            let p = staging.join(file);
+            let mut f =
+                fs::File::create(&p).with_context(|| format!("cannot create {}", p.display()))?;
+            f.write_all(bytes)
+                .and_then(|_| f.sync_all())
+                .with_context(|| format!("cannot write {}", p.display()))?;
+        }
+        if out.exists() {
+            let old = fresh("old");
+            fs::rename(out, &old)
+                .with_context(|| format!("cannot move {} aside", out.display()))?;
+            if let Err(e) = fs::rename(&staging, out) {
+                // Put the old directory back: nothing is lost.
+                let _ = fs::rename(&old, out);
+                return Err(e).with_context(|| {
+                    format!("cannot rename {} to {}", staging.display(), out.display())
+                });
+            }
+            let _ = fs::remove_dir_all(&old);
+            return Ok(());
+        }
+        fs::rename(&staging, out)
+            .with_context(|| format!("cannot rename {} to {}", staging.display(), out.display()))
+    })();
+    if written.is_err() {
+        let _ = fs::remove_dir_all(&staging);
+    }
+    written
+}
+
 /// Writes `bytes` to `out` through a unique temporary file in the same directory,
 /// synced, then renamed (see the module docs). Refuses an existing `out` unless `force`.
 pub fn write_file(out: &Path, bytes: &[u8], force: bool) -> Result<()> {

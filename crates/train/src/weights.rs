@@ -1,5 +1,6 @@
-//! Whole-model weights outside training: export to one nanoGPT-named safetensors file,
-//! load such a file (ours, or one saved from PyTorch), evaluate and sample.
+//! Whole-model weights outside training: export to one nanoGPT-named safetensors file or
+//! to a Hugging Face `transformers` directory, load either (ours, or one saved from
+//! PyTorch or `transformers`), evaluate and sample.
 //!
 //! ## `switchyard eval` — exactly what it computes
 //!
@@ -23,9 +24,19 @@ use switchyard_shard::{single_device, ParamSource, ParamStore};
 use crate::checkpoint::Checkpoint;
 use crate::data::Dataset;
 pub use crate::export::{check_destination, Integrity};
-use crate::export::{checksum, verify, write_file, CHECKSUM_KEY};
+use crate::export::{checksum, verify, write_dir, write_file, CHECKSUM_KEY};
 
 pub const EXPORT_FORMAT: &str = "switchyard-export/1";
+/// A Hugging Face directory's config and weights files.
+pub const HF_CONFIG: &str = "config.json";
+pub const HF_WEIGHTS: &str = "model.safetensors";
+
+/// Whether `path` is a Hugging Face `transformers` directory: `config.json` beside
+/// `model.safetensors`.
+pub fn is_hf_dir(path: &Path) -> bool {
+    path.join(HF_CONFIG).is_file() && path.join(HF_WEIGHTS).is_file()
+}
+
 /// The metadata key of the model's kind ([`Model::NAME`]) in an export.
 const MODEL_KEY: &str = "model";
 
@@ -45,6 +56,9 @@ impl<M: Model> Weights<M> {
     /// must match its tensors; a file without one loads as [`Integrity::Unverified`]
     /// (see [`Weights::note`]).
     pub fn load(path: &Path, hint: &M) -> Result<Weights<M>> {
+        if is_hf_dir(path) {
+            return Self::load_hf(path, hint);
+        }
         if path.is_dir() {
             let ckpt = Checkpoint::find(path, None)?;
             let config = ckpt
@@ -112,6 +126,64 @@ impl<M: Model> Weights<M> {
         w.check()
             .map_err(|e| err!(Weights, "{}: {e}", path.display()))?;
         Ok(w)
+    }
+
+    /// A Hugging Face `transformers` directory (`config.json` beside
+    /// `model.safetensors`, as `save_pretrained` writes it), read by [`Model::hf_import`].
+    fn load_hf(dir: &Path, hint: &M) -> Result<Weights<M>> {
+        let config_path = dir.join(HF_CONFIG);
+        let text = std::fs::read(&config_path)
+            .with_context(|| format!("cannot read {}", config_path.display()))?;
+        let json: serde_json::Value = serde_json::from_slice(&text)
+            .map_err(|e| err!(Weights, "{} is not JSON: {e}", config_path.display()))?;
+        let file = dir.join(HF_WEIGHTS);
+        let bytes =
+            std::fs::read(&file).with_context(|| format!("cannot read {}", file.display()))?;
+        let integrity = verify(&file, &bytes)?;
+        let mut tensors =
+            candle_core::safetensors::load_buffer(&bytes, &Device::Cpu).map_err(|e| {
+                err!(
+                    Weights,
+                    "{} is not a readable safetensors file: {e}",
+                    file.display()
+                )
+            })?;
+        for t in tensors.values_mut() {
+            *t = t.to_dtype(DType::F32)?;
+        }
+        let (config, tensors) = hint
+            .hf_import(&json, tensors)
+            .map_err(|e| err!(Weights, "{}: {e}", dir.display()))?;
+        let w = Weights {
+            config,
+            tensors,
+            integrity,
+        };
+        w.check()
+            .map_err(|e| err!(Weights, "{}: {e}", dir.display()))?;
+        Ok(w)
+    }
+
+    /// Writes a Hugging Face `transformers` directory ([`Model::hf_export`]): `config.json`,
+    /// `model.safetensors` (with `transformers`' `format: pt` metadata, the model's kind
+    /// and a checksum of the tensors) and `extra` files (such as a `tokenizer.json`).
+    /// The directory is written beside `out` and renamed into place; an existing `out`
+    /// is replaced only when `force`.
+    pub fn export_hf(&self, out: &Path, extra: &[(&str, Vec<u8>)], force: bool) -> Result<()> {
+        let (config, tensors) = self.config.hf_export(&self.tensors)?;
+        let views: Vec<(&str, &Tensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
+        let meta = HashMap::from([
+            ("format".to_string(), "pt".to_string()),
+            (MODEL_KEY.to_string(), M::NAME.to_string()),
+            (CHECKSUM_KEY.to_string(), checksum(&views)),
+        ]);
+        let weights = safetensors::serialize(views, Some(meta))
+            .map_err(|e| err!(Weights, "cannot serialise the weights: {e}"))?;
+        let mut config = serde_json::to_vec_pretty(&config)?;
+        config.push(b'\n');
+        let mut files: Vec<(&str, &[u8])> = vec![(HF_CONFIG, &config), (HF_WEIGHTS, &weights)];
+        files.extend(extra.iter().map(|(n, b)| (*n, b.as_slice())));
+        write_dir(out, &files, force)
     }
 
     /// Checks the names and shapes against the config.
