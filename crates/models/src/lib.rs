@@ -41,7 +41,8 @@
 //! * [Chapter 4, "Putting it together: dp × pp × tp"](https://github.com/switchyard-rs/switchyard/blob/main/docs/tutorial/04-3d-parallelism.md):
 //!   the GPT on a `dp × pp × tp` mesh, and choosing a layout.
 //! * [Chapter 5, "Bring your own model"](https://github.com/switchyard-rs/switchyard/blob/main/docs/tutorial/05-bring-your-own-model.md): a
-//!   model of your own as pipeline stages, with a parallel plan like [`plan::GPT_TP_PLAN`].
+//!   model of your own that implements [`Model`], trained on any layout and checked
+//!   against one device (example `own_model`).
 
 mod config;
 mod error;

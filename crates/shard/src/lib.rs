@@ -72,7 +72,8 @@
 //!   Megatron math, `f` and `g`, and a tensor-parallel MLP checked against one device
 //!   (example `tensor_parallel`).
 //! * [Chapter 5, "Bring your own model"](https://github.com/switchyard-rs/switchyard/blob/main/docs/tutorial/05-bring-your-own-model.md): a
-//!   model of your own from these layers, with its parallel plan (example `own_model`).
+//!   model of your own from these layers, its token table tied to its head (example
+//!   `own_model`).
 
 mod attention;
 pub mod collectives;
