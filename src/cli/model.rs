@@ -142,7 +142,10 @@ pub fn eval(a: EvalArgs) -> anyhow::Result<()> {
     }
     let w = load(&a.checkpoint, a.heads)?;
     // A checkpoint knows which fraction it held out; a weights file does not.
-    let val_fraction = match (a.val_fraction, a.checkpoint.is_dir()) {
+    let val_fraction = match (
+        a.val_fraction,
+        a.checkpoint.is_dir() && !switchyard_train::weights::is_hf_dir(&a.checkpoint),
+    ) {
         (Some(f), _) => f,
         (None, true) => {
             use switchyard_train::checkpoint::{locate, read_manifest};

@@ -9,6 +9,7 @@ use switchyard_models::SplitSpec;
 use switchyard_schedule::{ScheduleChoice, ScheduleKind};
 use switchyard_train::data::{self, Corpus, DataSpec, Dataset, TokenWidth};
 use switchyard_train::optim::Decay;
+use switchyard_train::weights;
 use switchyard_train::{train, train_rank, Resume, TrainConfig, TrainError, TrainOptions};
 
 #[derive(Args, Default)]
@@ -253,6 +254,37 @@ pub struct DataChoice {
     pub vocab_given: bool,
 }
 
+/// The model that the weights at `path` describe without reading their tensors: a
+/// Hugging Face directory's `config.json`, or the `config` metadata of a switchyard
+/// export. `None` for a file without it (a PyTorch state dict: the flags say).
+fn model_of(path: &Path) -> anyhow::Result<Option<GptConfig>> {
+    use std::io::Read;
+    if weights::is_hf_dir(path) {
+        let file = path.join(weights::HF_CONFIG);
+        let json: serde_json::Value = serde_json::from_slice(
+            &std::fs::read(&file).with_context(|| format!("cannot read {}", file.display()))?,
+        )
+        .with_context(|| format!("{} is not JSON", file.display()))?;
+        let (m, _) = switchyard_models::hf::from_hf(&json, Default::default())
+            .with_context(|| path.display().to_string())?;
+        return Ok(Some(m));
+    }
+    // A safetensors file starts with the length of its JSON header.
+    let header = (|| -> Option<serde_json::Value> {
+        let mut f = std::fs::File::open(path).ok()?;
+        let mut len = [0u8; 8];
+        f.read_exact(&mut len).ok()?;
+        let len = usize::try_from(u64::from_le_bytes(len)).ok()?;
+        let mut h = vec![0u8; len.min(100 << 20)];
+        f.read_exact(&mut h).ok()?;
+        serde_json::from_slice(&h).ok()
+    })();
+    Ok(header
+        .as_ref()
+        .and_then(|h| h.get("__metadata__")?.get("config")?.as_str())
+        .and_then(|c| serde_json::from_str(c).ok()))
+}
+
 /// The configuration and options `a` describes.
 pub fn resolve(
     a: &TrainArgs,
@@ -265,6 +297,15 @@ pub fn resolve(
             false,
         ),
     };
+    // Weights to start from say what model they are: it is the default of every model
+    // flag (a flag that disagrees is then refused by the trainer, naming both).
+    let init_model = match (&a.init, &a.config) {
+        (Some(path), None) => model_of(path)?,
+        _ => None,
+    };
+    if let Some(m) = &init_model {
+        c.model = m.clone();
+    }
     macro_rules! set {
         ($($flag:ident => $($field:ident).+),* $(,)?) => {
             $(if let Some(v) = a.$flag.clone() { c.$($field).+ = v; })*
@@ -327,7 +368,7 @@ pub fn resolve(
     if a.lr.is_some() && a.min_lr.is_none() && c.min_lr > c.lr {
         c.min_lr = c.lr / 10.0;
     }
-    if a.seq_len.is_some() && c.model.block_size < c.seq_len {
+    if a.seq_len.is_some() && c.model.block_size < c.seq_len && init_model.is_none() {
         c.model.block_size = c.seq_len;
     }
     let opts = TrainOptions {
@@ -350,7 +391,10 @@ pub fn resolve(
             width: a.token_width.or(file.token_width).unwrap_or_default(),
             val_fraction: c.val_fraction,
         },
-        vocab_given: a.vocab_size.is_some() || vocab_in_file || resume.is_some(),
+        vocab_given: a.vocab_size.is_some()
+            || vocab_in_file
+            || resume.is_some()
+            || init_model.is_some(),
     };
     Ok((c, data, opts))
 }

@@ -32,6 +32,8 @@ const CONV1D: [&str; 4] = [
     ".mlp.c_proj.weight",
 ];
 const LM_HEAD: &str = "lm_head.weight";
+/// GPT-2's `<|endoftext|>` token id.
+const GPT2_EOT: usize = 50256;
 
 fn is_conv1d(name: &str) -> bool {
     CONV1D.iter().any(|s| name.ends_with(s))
@@ -43,6 +45,7 @@ fn weights_err(e: candle_core::Error) -> ModelError {
 
 /// `config.json` of a `GPT2LMHeadModel` with `cfg`'s shape.
 pub fn config_json(cfg: &GptConfig) -> Value {
+    let eot = (cfg.vocab_size > GPT2_EOT).then_some(GPT2_EOT);
     json!({
         "architectures": ["GPT2LMHeadModel"],
         "model_type": "gpt2",
@@ -60,6 +63,10 @@ pub fn config_json(cfg: &GptConfig) -> Value {
         "attn_pdrop": 0.0,
         "tie_word_embeddings": cfg.tied_embeddings,
         "scale_attn_weights": true,
+        "scale_attn_by_inverse_layer_idx": false,
+        // GPT-2's <|endoftext|> where the vocabulary has it; none for a smaller one.
+        "bos_token_id": eot,
+        "eos_token_id": eot,
         "torch_dtype": "float32",
     })
 }
@@ -103,8 +110,8 @@ pub fn from_hf(
 ) -> Result<(GptConfig, HashMap<String, Tensor>), ModelError> {
     let refuse = |what: String| {
         Err(ModelError::Weights(format!(
-            "{what}: switchyard's GPT computes GPT-2 with gelu_new, LayerNorm epsilon 1e-5 \
-             and a 4·n_embd MLP"
+            "{what}: switchyard's GPT computes GPT-2 with gelu_new, LayerNorm epsilon 1e-5, \
+             attention scaled by 1/√(head dim) and a 4·n_embd MLP"
         )))
     };
     if let Some(t) = config.get("model_type").and_then(Value::as_str) {
@@ -121,6 +128,16 @@ pub fn from_hf(
         if (eps - LN_EPS).abs() > 1e-12 {
             return refuse(format!("config.json asks for layer_norm_epsilon {eps}"));
         }
+    }
+    if config.get("scale_attn_weights").and_then(Value::as_bool) == Some(false) {
+        return refuse("config.json turns scale_attn_weights off".into());
+    }
+    if config
+        .get("scale_attn_by_inverse_layer_idx")
+        .and_then(Value::as_bool)
+        == Some(true)
+    {
+        return refuse("config.json asks for scale_attn_by_inverse_layer_idx".into());
     }
     let d_model = field(config, "n_embd")?;
     if let Some(inner) = config.get("n_inner").and_then(Value::as_u64) {
