@@ -17,6 +17,7 @@ use switchyard::models::{GptConfig, Model};
 use switchyard::train::data::{Corpus, Dataset, Sampler};
 use switchyard::train::optim::{AdamW, LrSchedule};
 use switchyard::train::testing::{check_step_parity, initial_weights};
+use switchyard::train::weights::Weights;
 use switchyard::train::{train, Resume, TrainConfig, TrainOptions};
 
 const LAYOUTS: [(usize, usize, usize); 10] = [
@@ -270,6 +271,44 @@ fn f_a_checkpoint_resumes_on_other_layouts_and_refuses_a_gpt() {
         let resumed = curve(&cfg(dp, pp, tp, "1f1b"), &opts(Some(Resume::Step(10))));
         assert_close(&resumed, &full[10..], 1e-4, &format!("{dp} × {pp} × {tp}"));
     }
+
+    // Export the step-10 weights, load them back as this model, and start a new run
+    // from them (`--init`) on another layout: the same run as one started from the
+    // checkpoint itself, and a better first loss than fresh weights on the same data.
+    let step10 = dir.join("step-00000010");
+    let w = Weights::<OwnConfig>::load(&step10, &OwnConfig::default()).unwrap();
+    let out = scratch("export");
+    std::fs::create_dir_all(&out).unwrap();
+    let file = out.join("own.safetensors");
+    w.export(&file).unwrap();
+    let back = Weights::<OwnConfig>::load(&file, &OwnConfig::default()).unwrap();
+    assert_eq!(back.config, w.config);
+    assert_eq!(back.tensors.len(), w.tensors.len());
+    let init = TrainOptions {
+        init: Some(file.clone()),
+        ..TrainOptions::default()
+    };
+    let from_export = curve(&cfg(2, 1, 2, "1f1b"), &init);
+    let from_checkpoint = curve(
+        &cfg(2, 1, 2, "1f1b"),
+        &TrainOptions {
+            init: Some(step10.clone()),
+            ..TrainOptions::default()
+        },
+    );
+    assert_eq!(from_export, from_checkpoint, "--init from the export");
+    assert!(
+        from_export[0] < full[0] - 0.5,
+        "{from_export:?} vs {full:?}"
+    );
+    let e = Weights::<GptConfig>::load(&file, &GptConfig::default())
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.contains("holds a own-mlp-lm model, not a gpt model"),
+        "{e}"
+    );
 
     let gpt_dir = scratch("gpt");
     let gpt = TrainConfig::<GptConfig> {
