@@ -16,6 +16,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use candle_core::{DType, Device, Result, Tensor, Var};
 use switchyard_comm::Communicator;
+use switchyard_ops::OpsBackend;
 
 use crate::error::{invalid, ShardError};
 use crate::rng::SplitMix64;
@@ -139,6 +140,7 @@ impl ParamStore {
             store: self.clone(),
             prefix: String::new(),
             shared: false,
+            ops: OpsBackend::Fused,
         }
     }
 
@@ -326,6 +328,8 @@ pub struct Builder {
     /// [`Builder::shared`]: an existing parameter of the same name, full shape and spec
     /// is returned instead of refused.
     shared: bool,
+    /// [`Builder::with_ops`]: the ops backend of the layers built through this builder.
+    ops: OpsBackend,
 }
 
 impl Builder {
@@ -335,6 +339,7 @@ impl Builder {
             store: self.store.clone(),
             prefix: self.path(s.as_ref()),
             shared: self.shared,
+            ops: self.ops,
         }
     }
 
@@ -365,7 +370,24 @@ impl Builder {
             store: self.store.clone(),
             prefix: self.prefix.clone(),
             shared: true,
+            ops: self.ops,
         }
+    }
+
+    /// A builder (and the builders [`Builder::pp`] derives from it) whose layers compute
+    /// with `ops`: the fused CPU kernels (the default) or their composed twins, which run
+    /// on every candle device ([`OpsBackend`]). A model passes its configuration's
+    /// choice here; nothing is global.
+    pub fn with_ops(&self, ops: OpsBackend) -> Builder {
+        Builder {
+            ops,
+            ..self.clone()
+        }
+    }
+
+    /// The ops backend of the layers built through this builder ([`Builder::with_ops`]).
+    pub fn ops(&self) -> OpsBackend {
+        self.ops
     }
 
     /// The current prefix (`""` at the root).
