@@ -86,6 +86,7 @@ pub struct Param {
 
 struct StoreInner {
     dtype: DType,
+    device: Device,
     tp_rank: usize,
     tp_size: usize,
     source: ParamSource,
@@ -109,6 +110,18 @@ impl ParamStore {
     /// A store for rank `tp_rank` of a tensor-parallel group of `tp_size` ranks
     /// (`tp_size = 1`: no tensor parallelism), creating parameters in `dtype` on the CPU.
     pub fn new(dtype: DType, tp_rank: usize, tp_size: usize, source: ParamSource) -> Result<Self> {
+        ParamStore::new_on(&Device::Cpu, dtype, tp_rank, tp_size, source)
+    }
+
+    /// [`ParamStore::new`] creating the parameters on `device` (their values are computed
+    /// on the host, so they are the same on every device).
+    pub fn new_on(
+        device: &Device,
+        dtype: DType,
+        tp_rank: usize,
+        tp_size: usize,
+        source: ParamSource,
+    ) -> Result<Self> {
         if tp_size == 0 || tp_rank >= tp_size {
             return Err(invalid(format!(
                 "ParamStore: tensor-parallel rank {tp_rank} out of range for a group of {tp_size}"
@@ -121,6 +134,7 @@ impl ParamStore {
         }
         Ok(ParamStore(Arc::new(StoreInner {
             dtype,
+            device: device.clone(),
             tp_rank,
             tp_size,
             source,
@@ -132,6 +146,11 @@ impl ParamStore {
     /// [`ParamStore::new`] with the rank and size of the tensor-parallel group `tp`.
     pub fn for_group(tp: &dyn Communicator, dtype: DType, source: ParamSource) -> Result<Self> {
         ParamStore::new(dtype, tp.rank(), tp.world_size(), source)
+    }
+
+    /// The device the parameters are created on.
+    pub fn device(&self) -> &Device {
+        &self.0.device
     }
 
     /// A builder with an empty path prefix.
@@ -294,7 +313,7 @@ impl ParamStore {
         };
         // `detach` + `Var::from_tensor` always copies into fresh storage, so the Var never
         // aliases the caller's (or another rank's) tensor.
-        let var = Var::from_tensor(&local.detach())?;
+        let var = Var::from_tensor(&local.to_device(&inner.device)?.detach())?;
         lock(&inner.params).push(Param {
             name,
             var: var.clone(),
