@@ -7,7 +7,7 @@
 //! Candle keeps one graph node (and one gradient) per primitive here, so these cost more
 //! memory traffic than the fused kernels; [`crate::OpsBackend`] chooses between the two.
 //!
-//! The tensor-parallel hooks are one small custom op, [`hook`], which has a forward for
+//! The tensor-parallel hooks are one small custom op (`Hook`), which has a forward for
 //! every device (a copy through candle's backend traits): identity forward with a
 //! collective on the gradient (`f`), or a collective forward with the identity backward
 //! (`g`).
