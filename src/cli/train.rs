@@ -181,7 +181,6 @@ pub enum Backend {
 /// The settings a TOML file may hold besides [`TrainConfig`]'s.
 const FILE_ONLY: [&str; 9] = [
     "data",
-    "ops",
     "metrics",
     "trace",
     "checkpoint_dir",
@@ -189,6 +188,7 @@ const FILE_ONLY: [&str; 9] = [
     "keep",
     "tokenizer",
     "token_width",
+    "ops",
 ];
 
 /// The [`FILE_ONLY`] keys of a TOML file, each of its one type.
