@@ -14,7 +14,7 @@
 //!   simulator with backward = 2 × forward.
 
 use serde::{Deserialize, Serialize};
-use switchyard_models::{GptConfig, SplitSpec};
+use switchyard_models::{GptConfig, OpsBackend, SplitSpec};
 use switchyard_schedule::{ScheduleChoice, ScheduleKind};
 
 use switchyard_train::data::Corpus;
@@ -59,6 +59,7 @@ impl Preset {
             n_head: heads,
             d_model: d,
             tied_embeddings: false,
+            ops: OpsBackend::Fused,
         };
         let (m, batch, t, warmup, steps) = match name {
             "reference" => (model(256, 8, 8, 128), 32, 128, 2, 5),
@@ -152,6 +153,9 @@ pub struct Case {
     pub threads_per_worker: usize,
     pub schedule: ScheduleChoice,
     pub microbatches: usize,
+    /// The fused CPU kernels or their composed twins (the path of every other device).
+    #[serde(default, with = "switchyard_models::ops_serde")]
+    pub ops: OpsBackend,
 }
 
 impl Case {
@@ -173,11 +177,26 @@ pub fn cases(p: &Preset) -> Vec<Case> {
         threads_per_worker: threads,
         schedule: ScheduleChoice::Named(schedule),
         microbatches,
+        ops: OpsBackend::Fused,
     };
     let m = p.microbatches;
     vec![
         case("1 worker", 1, 1, 1, 1, ScheduleKind::OneFOneB, 1),
         case("1 worker, 2 threads", 1, 1, 1, 2, ScheduleKind::OneFOneB, 1),
+        // The composed twins of the fused ops (what a GPU runs today), on the CPU: their
+        // cost against the first row.
+        Case {
+            ops: OpsBackend::Composed,
+            ..case(
+                "1 worker, composed ops",
+                1,
+                1,
+                1,
+                1,
+                ScheduleKind::OneFOneB,
+                1,
+            )
+        },
         case("pp 2 gpipe", 1, 2, 1, 1, ScheduleKind::GPipe, m),
         case("pp 2 1f1b", 1, 2, 1, 1, ScheduleKind::OneFOneB, m),
         case("tp 2", 1, 1, 2, 1, ScheduleKind::OneFOneB, 1),
@@ -188,7 +207,10 @@ pub fn cases(p: &Preset) -> Vec<Case> {
 /// The training configuration of one case.
 pub fn config(p: &Preset, c: &Case) -> TrainConfig<GptConfig> {
     TrainConfig {
-        model: p.model.clone(),
+        model: GptConfig {
+            ops: c.ops,
+            ..p.model.clone()
+        },
         dp: c.dp,
         pp: c.pp,
         tp: c.tp,
@@ -563,6 +585,7 @@ mod tests {
             n_head: 1,
             d_model: 2,
             tied_embeddings: false,
+            ops: OpsBackend::Fused,
         };
         p.seq_len = 3;
         // Forward, per token: a weight matrix `a × b` (with its bias) costs 2ab for the

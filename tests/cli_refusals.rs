@@ -460,3 +460,44 @@ fn sample_streams_its_text() {
     child.wait().unwrap();
     assert!(got.starts_with(b"In the"), "{got:?}");
 }
+
+/// `--device` a build has no backend for is refused naming the cargo feature (this
+/// build has neither GPU backend), before the data is read; a bad name is a clap error.
+/// `--ops composed` (and `ops = "composed"` in a config file) trains on the CPU.
+#[test]
+fn devices_without_a_backend_are_refused_and_the_composed_ops_train() {
+    if !candle_core::utils::cuda_is_available() {
+        let e = fails(&strs(&train(&[
+            "--device",
+            "cuda:1",
+            "--data",
+            "/nonexistent",
+        ])));
+        assert!(
+            e.contains("--device cuda:1") && e.contains("--features cuda"),
+            "{e}"
+        );
+    }
+    if !candle_core::utils::metal_is_available() {
+        let dir = scratch("device-toml");
+        let cfg = dir.join("run.toml");
+        std::fs::write(&cfg, "device = \"metal\"\n").unwrap();
+        let e = fails(&strs(&train(&["--config", cfg.to_str().unwrap()])));
+        assert!(e.contains("--features metal"), "{e}");
+    }
+    let e = fails_with(2, &strs(&train(&["--device", "gpu"])));
+    assert!(e.contains("expected cpu, cuda, cuda:N"), "{e}");
+    let e = fails_with(2, &strs(&train(&["--ops", "gpu"])));
+    assert!(e.contains("\"fused\" or \"composed\""), "{e}");
+    ok(&strs(&train(&["--ops", "composed", "--device", "cpu"])));
+    let dir = scratch("ops-toml");
+    let cfg = dir.join("run.toml");
+    std::fs::write(&cfg, "ops = \"composed\"\ndevice = \"cpu\"\n").unwrap();
+    ok(&strs(&train(&["--config", cfg.to_str().unwrap()])));
+    std::fs::write(&cfg, "ops = \"gpu\"\n").unwrap();
+    let e = fails(&strs(&train(&["--config", cfg.to_str().unwrap()])));
+    assert!(
+        e.contains("key `ops`") && e.contains("\"fused\" or \"composed\""),
+        "{e}"
+    );
+}

@@ -95,6 +95,7 @@ fn a_transformers_model_loads_with_its_config_and_computes_the_same_logits_and_l
             n_head: 2,
             d_model: 16,
             tied_embeddings: true,
+            ..GptConfig::default()
         }
     );
     assert_eq!(

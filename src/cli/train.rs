@@ -4,13 +4,15 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{anyhow, bail, Context};
 use clap::Args;
-use switchyard_models::GptConfig;
 use switchyard_models::SplitSpec;
+use switchyard_models::{GptConfig, OpsBackend};
 use switchyard_schedule::{ScheduleChoice, ScheduleKind};
 use switchyard_train::data::{self, Corpus, DataSpec, Dataset, TokenWidth};
 use switchyard_train::optim::Decay;
 use switchyard_train::weights;
-use switchyard_train::{train, train_rank, Resume, TrainConfig, TrainError, TrainOptions};
+use switchyard_train::{
+    train, train_rank, DeviceSpec, Resume, TrainConfig, TrainError, TrainOptions,
+};
 
 #[derive(Args, Default)]
 pub struct TrainArgs {
@@ -56,6 +58,14 @@ pub struct TrainArgs {
     /// Share the token embedding with the LM head
     #[arg(long)]
     pub tied: bool,
+    /// How the ops compute: `fused` (the CPU kernels; the default) or `composed` (their
+    /// twins from candle's own ops, which run on every device; also on the CPU)
+    #[arg(long, value_name = "fused|composed")]
+    pub ops: Option<OpsBackend>,
+    /// The candle device: cpu (the default), cuda:N or metal (a build with
+    /// `--features cuda` or `--features metal`)
+    #[arg(long, value_name = "cpu|cuda:N|metal")]
+    pub device: Option<DeviceSpec>,
     /// Peak learning rate
     #[arg(long)]
     pub lr: Option<f64>,
@@ -171,7 +181,7 @@ pub enum Backend {
 }
 
 /// The settings a TOML file may hold besides [`TrainConfig`]'s.
-const FILE_ONLY: [&str; 8] = [
+const FILE_ONLY: [&str; 9] = [
     "data",
     "metrics",
     "trace",
@@ -180,6 +190,7 @@ const FILE_ONLY: [&str; 8] = [
     "keep",
     "tokenizer",
     "token_width",
+    "ops",
 ];
 
 /// The [`FILE_ONLY`] keys of a TOML file, each of its one type.
@@ -187,6 +198,8 @@ const FILE_ONLY: [&str; 8] = [
 #[serde(deny_unknown_fields)]
 struct FileOnly {
     data: Option<PathBuf>,
+    /// The model's `ops` (as `--ops`; `[model] ops` is the same setting).
+    ops: Option<String>,
     tokenizer: Option<PathBuf>,
     token_width: Option<TokenWidth>,
     metrics: Option<PathBuf>,
@@ -319,7 +332,18 @@ pub fn resolve(
         eps => eps, grad_clip => grad_clip, seed => seed,
         threads_per_worker => threads_per_worker, comm_timeout => comm_timeout_secs,
         vocab_size => model.vocab_size, val_fraction => val_fraction,
-        eval_every => eval_every, eval_batches => eval_batches);
+        eval_every => eval_every, eval_batches => eval_batches, device => device);
+    if let Some(ops) = &file.ops {
+        c.model.ops = ops.parse().map_err(|e| {
+            anyhow!(
+                "--config {}: key `ops`: {e}",
+                a.config.clone().unwrap_or_default().display()
+            )
+        })?;
+    }
+    if let Some(ops) = a.ops {
+        c.model.ops = ops;
+    }
     if a.tied {
         c.model.tied_embeddings = true;
     }
@@ -401,6 +425,8 @@ pub fn resolve(
 
 pub fn run(a: TrainArgs) -> anyhow::Result<()> {
     let (mut cfg, data, mut opts) = resolve(&a)?;
+    // A device this build has no backend for is refused before the data is read.
+    cfg.device.check()?;
     // Under MPI every process runs this; only rank 0 speaks.
     let rank0 = match a.backend {
         Backend::Local => true,

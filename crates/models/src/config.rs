@@ -2,12 +2,18 @@
 
 use serde::{Deserialize, Serialize};
 
+use switchyard_shard::OpsBackend;
+
 use crate::ModelError;
 
 /// A GPT-2 style model. The vocabulary is bytes (256) unless a config says otherwise.
 /// In a config file every field is optional (the rest come from [`GptConfig::default`])
 /// and unknown fields are refused.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+///
+/// Two configs are equal when they describe the same model: [`GptConfig::ops`] (how it is
+/// computed, not what) takes no part in the comparison, so a checkpoint or weights file
+/// loads whatever the backend.
+#[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct GptConfig {
     pub vocab_size: usize,
@@ -18,6 +24,51 @@ pub struct GptConfig {
     pub d_model: usize,
     /// Share the token embedding with the LM head.
     pub tied_embeddings: bool,
+    /// How the ops compute: the fused CPU kernels (default) or their composed twins,
+    /// which run on every candle device ([`OpsBackend`]). Not part of the model: left out
+    /// of the comparison and, at its default, of the serialised config (manifests written
+    /// before it existed still load).
+    #[serde(with = "ops_serde", skip_serializing_if = "is_fused")]
+    pub ops: OpsBackend,
+}
+
+impl PartialEq for GptConfig {
+    fn eq(&self, other: &Self) -> bool {
+        let key = |c: &GptConfig| {
+            (
+                c.vocab_size,
+                c.block_size,
+                c.n_layer,
+                c.n_head,
+                c.d_model,
+                c.tied_embeddings,
+            )
+        };
+        key(self) == key(other)
+    }
+}
+
+impl Eq for GptConfig {}
+
+fn is_fused(ops: &OpsBackend) -> bool {
+    *ops == OpsBackend::Fused
+}
+
+/// [`OpsBackend`] as its name (`"fused"`, `"composed"`) for serde's `with` attribute
+/// (switchyard-ops has no serde).
+pub mod ops_serde {
+    use serde::{de::Error, Deserialize, Deserializer, Serializer};
+    use switchyard_shard::OpsBackend;
+
+    /// Writes the name.
+    pub fn serialize<S: Serializer>(ops: &OpsBackend, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(ops.name())
+    }
+
+    /// Reads a name, refusing any other.
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<OpsBackend, D::Error> {
+        String::deserialize(d)?.parse().map_err(D::Error::custom)
+    }
 }
 
 impl Default for GptConfig {
@@ -30,6 +81,7 @@ impl Default for GptConfig {
             n_head: 4,
             d_model: 192,
             tied_embeddings: false,
+            ops: OpsBackend::Fused,
         }
     }
 }
@@ -44,6 +96,7 @@ impl GptConfig {
             n_head: 4,
             d_model: 32,
             tied_embeddings: false,
+            ops: OpsBackend::Fused,
         }
     }
 
@@ -176,6 +229,7 @@ impl GptConfig {
             n_head,
             d_model: wte[1],
             tied_embeddings: !shapes.contains_key("lm_head.weight"),
+            ops: OpsBackend::Fused,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -204,9 +258,29 @@ mod tests {
             n_head: 12,
             d_model: 768,
             tied_embeddings: true,
+            ops: OpsBackend::Fused,
         };
         // nanoGPT reports 124.44M with the position table.
         assert_eq!(c.param_count(), 124_439_808);
+    }
+
+    #[test]
+    fn ops_is_optional_not_part_of_the_model_and_not_written_at_its_default() {
+        let json = serde_json::to_string(&GptConfig::tiny(2)).unwrap();
+        assert!(!json.contains("ops"), "{json}");
+        let old: GptConfig = serde_json::from_str(&json).unwrap();
+        assert_eq!(old.ops, OpsBackend::Fused);
+        let composed = GptConfig {
+            ops: OpsBackend::Composed,
+            ..GptConfig::tiny(2)
+        };
+        assert_eq!(composed, GptConfig::tiny(2));
+        let json = serde_json::to_string(&composed).unwrap();
+        assert!(json.contains(r#""ops":"composed""#), "{json}");
+        let back: GptConfig = serde_json::from_str(&json).unwrap();
+        assert_eq!(back.ops, OpsBackend::Composed);
+        let e = serde_json::from_str::<GptConfig>(r#"{"ops":"gpu"}"#).unwrap_err();
+        assert!(e.to_string().contains("\"fused\" or \"composed\""), "{e}");
     }
 
     #[test]

@@ -12,8 +12,8 @@
 
 use candle_core::{DType, Module, Result, Tensor, Var};
 use switchyard_shard::{
-    vocab_parallel_cross_entropy, ColumnParallelLinear, Init, LayerInit, ParallelMlp,
-    ParallelSelfAttention, ParamStore, ShardSpec, TpGroup, VocabParallelEmbedding,
+    vocab_parallel_cross_entropy_with, ColumnParallelLinear, Init, LayerInit, OpsBackend,
+    ParallelMlp, ParallelSelfAttention, ParamStore, ShardSpec, TpGroup, VocabParallelEmbedding,
 };
 
 use std::collections::HashMap;
@@ -30,6 +30,7 @@ pub const INIT_STD: f64 = 0.02;
 struct LayerNorm {
     weight: Var,
     bias: Var,
+    ops: OpsBackend,
 }
 
 impl LayerNorm {
@@ -37,11 +38,13 @@ impl LayerNorm {
         Ok(LayerNorm {
             weight: vb.param("weight", &[d], ShardSpec::Replicated, Init::Ones)?,
             bias: vb.param("bias", &[d], ShardSpec::Replicated, Init::Zeros)?,
+            ops: vb.ops(),
         })
     }
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        switchyard_ops::layer_norm(x, self.weight.as_tensor(), self.bias.as_tensor(), LN_EPS)
+        self.ops
+            .layer_norm(x, self.weight.as_tensor(), self.bias.as_tensor(), LN_EPS)
     }
 }
 
@@ -88,6 +91,7 @@ pub struct GptStage {
     head: Option<Head>,
     tp: TpGroup,
     vocab_size: usize,
+    ops: OpsBackend,
     params: Vec<Var>,
 }
 
@@ -107,7 +111,7 @@ impl GptStage {
         tp: TpGroup,
     ) -> Result<GptStage> {
         cfg.validate()?;
-        let vb = store.builder();
+        let vb = store.builder().with_ops(cfg.ops);
         let first_param = store.len();
         let d = cfg.d_model;
         let init = LayerInit {
@@ -157,10 +161,10 @@ impl GptStage {
             true => {
                 let ln_f = LayerNorm::new(&vb.pp("transformer.ln_f"), d)?;
                 let lm_head = match (cfg.tied_embeddings, &embed) {
-                    (true, Some(e)) => e.wte.tied_lm_head()?,
+                    (true, Some(e)) => e.wte.tied_lm_head()?.with_ops(cfg.ops),
                     // The table lives on this rank under another stage (shared), or
                     // this stage gets its own copy.
-                    (true, None) => wte(&vb.shared())?.tied_lm_head()?,
+                    (true, None) => wte(&vb.shared())?.tied_lm_head()?.with_ops(cfg.ops),
                     (false, _) => ColumnParallelLinear::vocab_head(
                         &vb.pp("lm_head"),
                         tp.clone(),
@@ -180,6 +184,7 @@ impl GptStage {
             head,
             tp,
             vocab_size: cfg.vocab_size,
+            ops: cfg.ops,
             params,
         })
     }
@@ -214,7 +219,13 @@ impl GptStage {
     /// The mean cross-entropy of this stage's logits slice against `targets` (`[B, T]`
     /// u32), computed without gathering the vocabulary on one rank.
     pub fn loss(&self, logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
-        vocab_parallel_cross_entropy(logits, &targets.flatten_all()?, self.vocab_size, &self.tp)
+        vocab_parallel_cross_entropy_with(
+            logits,
+            &targets.flatten_all()?,
+            self.vocab_size,
+            &self.tp,
+            self.ops,
+        )
     }
 }
 

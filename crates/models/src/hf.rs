@@ -156,6 +156,7 @@ pub fn from_hf(
             .get("tie_word_embeddings")
             .and_then(Value::as_bool)
             .unwrap_or(true),
+        ..GptConfig::default()
     };
     cfg.validate()?;
     let mut params = HashMap::with_capacity(tensors.len());

@@ -15,21 +15,31 @@ use std::mem::MaybeUninit;
 use std::sync::OnceLock;
 
 use candle_core::backend::BackendStorage;
-use candle_core::{bail, CpuStorage, CustomOp1, DType, Device, Layout, Result, Shape, Tensor, D};
+use candle_core::{bail, CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
 use crate::kernel::{
     self, dot, matmul, matmul_raw, max, simd, slice, sum, view, Dst, Float, Mat, SharedMut, Uninit,
 };
+use crate::{composed, OpsBackend};
 
 /// `softmax(q · kᵀ / √hd + M) · v` for `q`, `k`, `v` of shape `(B, H, T, hd)`, where the
 /// additive causal mask `M` is 0 where the key position is at or before the query
 /// position and −∞ after it. Returns `(B, H, T, hd)`.
 ///
 /// The softmax subtracts the row maximum before `exp` (exact gradient, no overflow);
-/// every row has at least its diagonal unmasked, so no row is all −∞. For `f32`/`f64`
-/// this packs q, k and v and runs [`causal_attention_packed`].
+/// every row has at least its diagonal unmasked, so no row is all −∞. For `f32`/`f64` on
+/// the CPU this packs q, k and v and runs [`causal_attention_packed`].
 pub fn causal_self_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
+    causal_self_attention_on(OpsBackend::Fused, q, k, v)
+}
+
+pub(crate) fn causal_self_attention_on(
+    backend: OpsBackend,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+) -> Result<Tensor> {
     let (b, h, t, hd) = q.dims4()?;
     if k.dims() != q.dims() || v.dims() != q.dims() {
         bail!(
@@ -39,35 +49,34 @@ pub fn causal_self_attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tenso
             v.dims()
         );
     }
-    if matches!(q.dtype(), DType::F32 | DType::F64) {
-        let pack = |x: &Tensor| x.transpose(1, 2)?.reshape((b, t, h * hd));
-        let qkv = Tensor::cat(&[pack(q)?, pack(k)?, pack(v)?], 2)?;
-        return causal_attention_packed(&qkv, h)?
-            .reshape((b, t, h, hd))?
-            .transpose(1, 2);
+    if !backend.fuses(q) {
+        return composed::causal_self_attention(q, k, v);
     }
-    let q = q.contiguous()?;
-    let k = k.contiguous()?;
-    let v = v.contiguous()?;
-    let scale = 1.0 / (hd as f64).sqrt();
-    let scores = (q.matmul(&k.t()?)? * scale)?;
-    let mask = causal_mask(t, scores.dtype(), scores.device())?;
-    let scores = scores.broadcast_add(&mask)?;
-    let max = scores.max_keepdim(D::Minus1)?.detach();
-    let e = scores.broadcast_sub(&max)?.exp()?;
-    let p = e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?;
-    p.matmul(&v)
+    let pack = |x: &Tensor| x.transpose(1, 2)?.reshape((b, t, h * hd));
+    let qkv = Tensor::cat(&[pack(q)?, pack(k)?, pack(v)?], 2)?;
+    causal_attention_packed(&qkv, h)?
+        .reshape((b, t, h, hd))?
+        .transpose(1, 2)
 }
 
 /// Causal self-attention over a fused projection: `qkv` is `[B, T, 3·H·hd]` with columns
 /// `q | k | v`, each made of `n_head` contiguous heads of `hd` (the layout of GPT's
 /// `c_attn` output). Returns `[B, T, H·hd]`, head `h` in columns `h·hd..(h+1)·hd` (the
-/// input layout of the output projection). `f32` and `f64` only.
+/// input layout of the output projection). The fused kernel for `f32` and `f64` on the
+/// CPU; its composed twin elsewhere.
 ///
 /// An empty sequence (`T = 0`) or batch (`B = 0`) gives an empty output `[B, T, H·hd]`
 /// (and an empty gradient): there are no query positions to attend from. `head_dim`
 /// must be at least 1.
 pub fn causal_attention_packed(qkv: &Tensor, n_head: usize) -> Result<Tensor> {
+    causal_attention_packed_on(OpsBackend::Fused, qkv, n_head)
+}
+
+pub(crate) fn causal_attention_packed_on(
+    backend: OpsBackend,
+    qkv: &Tensor,
+    n_head: usize,
+) -> Result<Tensor> {
     let (_, _, c) = qkv.dims3()?;
     if n_head == 0 || c == 0 || c % (3 * n_head) != 0 {
         bail!(
@@ -75,24 +84,13 @@ pub fn causal_attention_packed(qkv: &Tensor, n_head: usize) -> Result<Tensor> {
             qkv.dims()
         );
     }
-    if !matches!(qkv.dtype(), DType::F32 | DType::F64) {
-        bail!(
-            "causal_attention_packed: f32 or f64 only, got {:?}",
-            qkv.dtype()
-        );
+    if !backend.fuses(qkv) {
+        return composed::causal_attention_packed(qkv, n_head);
     }
     qkv.contiguous()?.apply_op1(Attention {
         n_head,
         lse: OnceLock::new(),
     })
-}
-
-/// A `(t, t)` tensor with 0 at and below the diagonal and −∞ above it.
-fn causal_mask(t: usize, dtype: DType, device: &Device) -> Result<Tensor> {
-    let m: Vec<f32> = (0..t)
-        .flat_map(|i| (0..t).map(move |j| if j <= i { 0.0 } else { f32::NEG_INFINITY }))
-        .collect();
-    Tensor::from_vec(m, (t, t), device)?.to_dtype(dtype)
 }
 
 struct Attention {

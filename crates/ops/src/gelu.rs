@@ -8,10 +8,11 @@
 use std::mem::MaybeUninit;
 
 use candle_core::backend::BackendStorage;
-use candle_core::{bail, CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor};
+use candle_core::{bail, CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
 use crate::kernel::{self, simd, Float, Uninit};
+use crate::OpsBackend;
 
 const C: f64 = 0.797_884_560_802_865_4; // √(2/π)
 const A: f64 = 0.044_715;
@@ -22,13 +23,13 @@ const A: f64 = 0.044_715;
 /// For `f32` and `f64` this is one fused pass forward and one backward, with the exact
 /// derivative. Other dtypes use a composite of candle primitives (also exact).
 pub fn gelu(x: &Tensor) -> Result<Tensor> {
-    match x.dtype() {
-        DType::F32 | DType::F64 => x.contiguous()?.apply_op1(Gelu),
-        _ => {
-            let inner = ((x.sqr()? * A)? + 1.0)?.mul(x)?;
-            let t = (inner * C)?.tanh()?;
-            ((t + 1.0)? * 0.5)?.mul(x)
-        }
+    gelu_on(OpsBackend::Fused, x)
+}
+
+pub(crate) fn gelu_on(backend: OpsBackend, x: &Tensor) -> Result<Tensor> {
+    match backend.fuses(x) {
+        true => x.contiguous()?.apply_op1(Gelu),
+        false => crate::composed::gelu(x),
     }
 }
 

@@ -21,6 +21,17 @@
 //! | [`cross_entropy`] | `mean_i (logsumexp(z_i) − z_i[t_i])` |
 //! | [`cross_entropy_parallel`] | the same over a vocabulary-parallel slice of the logits |
 //!
+//! ## Every device: fused kernels and composed twins
+//!
+//! The fused kernels are an optimisation of the CPU path. Every op has a composed twin
+//! in [`composed`] (a composition of candle's own differentiable operations, which runs
+//! on every candle device and in every dtype) with the same inputs, outputs and parameter
+//! layout, tested against the fused op in value and gradient. [`OpsBackend`] chooses,
+//! explicitly and per call (a field of [`LinearOptions`] and [`PairOptions`], a method for
+//! the other ops): `Fused` runs the fused kernel on f32/f64 CPU tensors and the twin on
+//! anything else (a CUDA or Metal tensor always takes the twin); `Composed` runs the twin
+//! everywhere. The plain functions are `Fused`.
+//!
 //! ## Design
 //!
 //! * **Small and stable API.** Plain functions on [`Tensor`]s, no modules and no state.
@@ -73,6 +84,8 @@
 
 mod attention;
 mod avx512;
+mod backend;
+pub mod composed;
 mod gelu;
 mod kernel;
 mod linear;
@@ -84,6 +97,7 @@ mod sgemm;
 mod twins;
 
 pub use attention::{causal_attention_packed, causal_self_attention};
+pub use backend::{OpsBackend, ParseOpsBackendError};
 pub use gelu::gelu;
 pub use linear::{linear, linear_gelu, linear_with, LinearOptions, Reduce};
 pub use loss::{cross_entropy, cross_entropy_parallel};

@@ -21,6 +21,7 @@ use rayon::prelude::*;
 
 use crate::gelu::{gelu_backward, gelu_forward};
 use crate::kernel::{self, matmul, simd, slice, view, Dst, Float, Mat, Uninit};
+use crate::{composed, OpsBackend};
 
 /// A collective that a fused op applies to a tensor it computes, e.g. an all-reduce (sum)
 /// over a tensor-parallel group. Every rank of the group must call it in the same order.
@@ -36,6 +37,8 @@ pub struct LinearOptions {
     pub reduce_output: Option<Reduce>,
     /// Reduce the input gradient with this collective: a column-parallel layer's `f`.
     pub reduce_input_grad: Option<Reduce>,
+    /// The fused kernel or its composed twin ([`OpsBackend`]).
+    pub backend: OpsBackend,
 }
 
 /// `y = x · wᵀ + b` for `x` of shape `[.., in]` (rank 2 or 3, e.g. `[N, in]` or
@@ -81,39 +84,17 @@ pub fn linear_with(
             );
         }
     }
-    match x.dtype() {
-        DType::F32 | DType::F64 => {
-            let op = Linear {
-                opts: opts.clone(),
-                pre: OnceLock::new(),
-            };
-            let (x, w) = (x.contiguous()?, w.contiguous()?);
-            match b {
-                Some(b) => x.apply_op3(&w, &b.contiguous()?, op),
-                None => x.apply_op2(&w, op),
-            }
-        }
-        _ => composite(x, w, b, opts),
+    if !opts.backend.fuses(x) {
+        return composed::linear_with(x, w, b, opts);
     }
-}
-
-/// Other dtypes: candle primitives.
-fn composite(x: &Tensor, w: &Tensor, b: Option<&Tensor>, opts: &LinearOptions) -> Result<Tensor> {
-    let in_f = w.dim(1)?;
-    let mut dims = x.dims().to_vec();
-    let rows = x.elem_count() / in_f;
-    let mut y = x.reshape((rows, in_f))?.matmul(&w.t()?)?;
-    if let Some(r) = &opts.reduce_output {
-        y = r(&y)?;
-    }
-    if let Some(b) = b {
-        y = y.broadcast_add(b)?;
-    }
-    *dims.last_mut().expect("rank ≥ 2") = w.dim(0)?;
-    let y = y.reshape(dims)?;
-    match opts.gelu {
-        true => crate::gelu(&y),
-        false => Ok(y),
+    let op = Linear {
+        opts: opts.clone(),
+        pre: OnceLock::new(),
+    };
+    let (x, w) = (x.contiguous()?, w.contiguous()?);
+    match b {
+        Some(b) => x.apply_op3(&w, &b.contiguous()?, op),
+        None => x.apply_op2(&w, op),
     }
 }
 

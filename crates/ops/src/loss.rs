@@ -10,7 +10,7 @@ use candle_core::{bail, CpuStorage, CustomOp1, DType, Layout, Result, Shape, Ten
 use rayon::prelude::*;
 
 use crate::kernel::{self, max, simd, slice, view, Float, Uninit};
-use crate::Reduce;
+use crate::{composed, OpsBackend, Reduce};
 
 /// `mean_i (logsumexp(logits_i) − logits_i[targets_i])` for `logits` of shape `[N, V]`
 /// and `targets` of shape `[N]` (dtype `u32`, each in `0..V`). Returns a scalar.
@@ -18,6 +18,14 @@ use crate::Reduce;
 /// Numerically stable: the row maximum is subtracted before `exp`. The gradient with
 /// respect to the logits is `(softmax(logits) − onehot(targets)) / N`.
 pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    cross_entropy_on(OpsBackend::Fused, logits, targets)
+}
+
+pub(crate) fn cross_entropy_on(
+    backend: OpsBackend,
+    logits: &Tensor,
+    targets: &Tensor,
+) -> Result<Tensor> {
     let (n, v) = match logits.dims() {
         &[n, v] => (n, v),
         d => bail!("cross_entropy: logits must have shape [N, V], got {d:?}"),
@@ -36,12 +44,8 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     if let Some((row, t)) = tg.iter().enumerate().find(|&(_, &t)| t as usize >= v) {
         bail!("cross_entropy: target {t} of row {row} is out of range for {v} classes");
     }
-    if !matches!(logits.dtype(), DType::F32 | DType::F64) {
-        let max = logits.max_keepdim(1)?.detach();
-        let shifted = logits.broadcast_sub(&max)?;
-        let lse = shifted.exp()?.sum_keepdim(1)?.log()?;
-        let picked = shifted.gather(&targets.unsqueeze(1)?.contiguous()?, 1)?;
-        return (lse - picked)?.mean_all();
+    if !backend.fuses(logits) {
+        return composed::cross_entropy(logits, targets);
     }
     apply(logits, tg, 0, None, None)
 }
@@ -69,6 +73,26 @@ pub fn cross_entropy_parallel(
     reduce_max: Reduce,
     reduce_sum: Reduce,
 ) -> Result<Tensor> {
+    cross_entropy_parallel_on(
+        OpsBackend::Fused,
+        local_logits,
+        targets,
+        vocab_start,
+        vocab_size,
+        reduce_max,
+        reduce_sum,
+    )
+}
+
+pub(crate) fn cross_entropy_parallel_on(
+    backend: OpsBackend,
+    local_logits: &Tensor,
+    targets: &Tensor,
+    vocab_start: usize,
+    vocab_size: usize,
+    reduce_max: Reduce,
+    reduce_sum: Reduce,
+) -> Result<Tensor> {
     let tg = targets.to_vec1::<u32>()?;
     if local_logits.rank() != 2 || local_logits.dim(0)? != tg.len() || tg.is_empty() {
         bail!(
@@ -84,6 +108,16 @@ pub fn cross_entropy_parallel(
     {
         bail!(
             "cross_entropy_parallel: target {t} of row {row} is out of range for {vocab_size} classes"
+        );
+    }
+    if !backend.fuses(local_logits) {
+        return composed::cross_entropy_parallel(
+            local_logits,
+            &tg,
+            vocab_start,
+            vocab_size,
+            &reduce_max,
+            &reduce_sum,
         );
     }
     apply(

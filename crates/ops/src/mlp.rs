@@ -32,7 +32,7 @@ use crate::attention::AttentionEpilogue;
 use crate::gelu::{gelu_backward, gelu_forward};
 use crate::kernel::{self, slice, view, Float};
 use crate::linear::{affine_forward, affine_input_grad, affine_weight_grad, input_grad, Reduce};
-use crate::LinearOptions;
+use crate::{composed, OpsBackend};
 
 /// The collectives around [`mlp`] and [`attention_block`] (tensor parallelism).
 #[derive(Clone, Default)]
@@ -42,6 +42,8 @@ pub struct PairOptions {
     pub reduce_output: Option<Reduce>,
     /// Reduce the input gradient with this collective: the column-parallel layer's `f`.
     pub reduce_input_grad: Option<Reduce>,
+    /// The fused op or its composed twin ([`OpsBackend`]).
+    pub backend: OpsBackend,
 }
 
 /// The weights of a column-then-row pair, each fused with its bias as a last column
@@ -50,11 +52,11 @@ pub struct PairOptions {
 /// per microbatch). Gradients flow back to the original weights and biases.
 #[derive(Clone, Debug)]
 pub struct PairWeights {
-    /// `[w1 | b1]` and `[w2 | b2]` (f32 and f64), or `w1` and `w2` (other dtypes).
+    /// `[w1 | b1]` and `[w2 | b2]` (f32 and f64 on the CPU), or `w1` and `w2`.
     fused: [Tensor; 2],
-    /// The originals, for other dtypes' fallback.
-    w: [Tensor; 2],
-    b: [Option<Tensor>; 2],
+    /// The originals, for the composed twin.
+    pub(crate) w: [Tensor; 2],
+    pub(crate) b: [Option<Tensor>; 2],
 }
 
 impl PairWeights {
@@ -73,7 +75,9 @@ impl PairWeights {
             }
         }
         let fuse = |w: &Tensor, b: Option<&Tensor>| match (b, w.dtype()) {
-            (Some(b), DType::F32 | DType::F64) => Tensor::cat(&[w, &b.unsqueeze(1)?], 1),
+            (Some(b), DType::F32 | DType::F64) if w.device().is_cpu() => {
+                Tensor::cat(&[w, &b.unsqueeze(1)?], 1)
+            }
             _ => w.contiguous(),
         };
         Ok(PairWeights {
@@ -159,24 +163,11 @@ fn check(what: &str, x: &Tensor, w: &PairWeights, mid: usize) -> Result<()> {
     Ok(())
 }
 
-/// The fused pair, or for dtypes other than f32 and f64 its three ops.
+/// The fused pair, or its composed twin (another backend, dtype or device).
 fn pair(x: &Tensor, w: &PairWeights, heads: Option<usize>, opts: &PairOptions) -> Result<Tensor> {
     let [(n1, d), (out, mid)] = w.dims()?;
-    if !matches!(x.dtype(), DType::F32 | DType::F64) || w.fused[0].dtype() != x.dtype() {
-        let first = LinearOptions {
-            gelu: heads.is_none(),
-            reduce_input_grad: opts.reduce_input_grad.clone(),
-            ..LinearOptions::default()
-        };
-        let second = LinearOptions {
-            reduce_output: opts.reduce_output.clone(),
-            ..LinearOptions::default()
-        };
-        let mut h = crate::linear_with(x, &w.w[0], w.b[0].as_ref(), &first)?;
-        if let Some(n) = heads {
-            h = crate::causal_attention_packed(&h, n)?;
-        }
-        return crate::linear_with(&h, &w.w[1], w.b[1].as_ref(), &second);
+    if !opts.backend.fuses(x) || w.fused[0].dtype() != x.dtype() || !w.fused[0].device().is_cpu() {
+        return composed::pair(x, w, heads, opts);
     }
     let op = Pair {
         opts: opts.clone(),

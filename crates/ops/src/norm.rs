@@ -13,6 +13,7 @@ use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Ten
 use rayon::prelude::*;
 
 use crate::kernel::{self, dot, simd, slice, sum, sum_sq_dev, view, Float, Uninit};
+use crate::{composed, OpsBackend};
 
 /// LayerNorm over the last dim of `x`:
 /// `y = (x − mean(x)) / sqrt(var(x) + eps) · weight + bias`, where `var` is the biased
@@ -21,6 +22,16 @@ use crate::kernel::{self, dot, simd, slice, sum, sum_sq_dev, view, Float, Uninit
 ///
 /// Every input receives a gradient (candle-nn's `ops::layer_norm` has no backward).
 pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
+    layer_norm_on(OpsBackend::Fused, x, weight, bias, eps)
+}
+
+pub(crate) fn layer_norm_on(
+    backend: OpsBackend,
+    x: &Tensor,
+    weight: &Tensor,
+    bias: &Tensor,
+    eps: f64,
+) -> Result<Tensor> {
     let d = x.dim(D::Minus1)?;
     if weight.dims() != [d] || bias.dims() != [d] {
         bail!(
@@ -30,25 +41,15 @@ pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Resul
             x.dims()
         );
     }
-    match x.dtype() {
-        DType::F32 | DType::F64 => {
-            let op = LayerNorm {
-                eps,
-                stats: OnceLock::new(),
-            };
-            x.contiguous()?
-                .apply_op3(&weight.contiguous()?, &bias.contiguous()?, op)
-        }
-        _ => {
-            let mean = x.mean_keepdim(D::Minus1)?;
-            let xc = x.broadcast_sub(&mean)?;
-            let var = xc.sqr()?.mean_keepdim(D::Minus1)?;
-            let rstd = (var + eps)?.sqrt()?.recip()?;
-            xc.broadcast_mul(&rstd)?
-                .broadcast_mul(weight)?
-                .broadcast_add(bias)
-        }
+    if !backend.fuses(x) {
+        return composed::layer_norm(x, weight, bias, eps);
     }
+    let op = LayerNorm {
+        eps,
+        stats: OnceLock::new(),
+    };
+    x.contiguous()?
+        .apply_op3(&weight.contiguous()?, &bias.contiguous()?, op)
 }
 
 struct LayerNorm {

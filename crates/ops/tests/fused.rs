@@ -1,7 +1,8 @@
 //! The fused halves of a transformer block, `mlp` and `attention_block`, against the
 //! compositions of ops they replace: the same value and the same gradient for every
 //! input, in f64 and f32, with the tensor-parallel hooks (a "collective" that doubles)
-//! on and off, with and without biases; and their refusals.
+//! on and off, with and without biases, on both backends (the composed twin of a pair
+//! against the fused ops it replaces); and their refusals.
 
 mod common;
 
@@ -10,7 +11,8 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Tensor, Var};
 use common::{assert_close, tensor, to_f64, Rng};
 use switchyard_ops::{
-    attention_block, causal_attention_packed, linear_with, mlp, LinearOptions, PairOptions, Reduce,
+    attention_block, causal_attention_packed, linear_with, mlp, LinearOptions, OpsBackend,
+    PairOptions, Reduce,
 };
 
 /// A pair as a function of `x, w1, b1, w2, b2`.
@@ -83,17 +85,23 @@ fn check_pair(
     let g = Rng::new(49).vec(out_len, 1.0);
     let double: Reduce = Arc::new(|t: &Tensor| t.affine(2.0, 0.0));
     for (dtype, tol) in [(DType::F64, 1e-12), (DType::F32, 1e-5)] {
-        for hooks in [false, true] {
+        for (hooks, backend) in [false, true]
+            .into_iter()
+            .flat_map(|h| OpsBackend::ALL.map(|b| (h, b)))
+        {
             let opts = PairOptions {
                 reduce_output: hooks.then(|| double.clone()),
                 reduce_input_grad: hooks.then(|| double.clone()),
+                backend,
             };
             for biases in [true, false] {
                 let got = value_and_grads(&vals, shapes, dtype, biases, &g, &*fused(&opts));
                 let want = value_and_grads(&vals, shapes, dtype, biases, &g, &*plain(&opts));
                 assert_eq!(got.len(), want.len());
                 for (i, (a, b)) in got.iter().zip(&want).enumerate() {
-                    let at = format!("{what}: output {i} {dtype:?} hooks {hooks} biases {biases}");
+                    let at = format!(
+                        "{what} ({backend}): output {i} {dtype:?} hooks {hooks} biases {biases}"
+                    );
                     assert_close(&at, a, b, tol);
                 }
             }

@@ -361,11 +361,11 @@ impl<'a> Executor<'a> {
                 }
                 Op::RecvF => {
                     let t = self.comm.recv(self.peer(a)?, tag(a))?;
-                    acts.insert(key, t);
+                    acts.insert(key, self.on_stage_device(s, t)?);
                 }
                 Op::RecvB => {
                     let t = self.comm.recv(self.peer(a)?, tag(a))?;
-                    grads_in.insert(key, t);
+                    grads_in.insert(key, self.on_stage_device(s, t)?);
                 }
             }
             let t1 = Instant::now();
@@ -402,6 +402,15 @@ impl<'a> Executor<'a> {
             grads: acc,
             stats,
         })
+    }
+
+    /// A received tensor on the device of stage `s`'s parameters (a communicator may
+    /// hand back host memory); unchanged when the stage has none or it is there already.
+    fn on_stage_device(&self, s: u32, t: Tensor) -> Result<Tensor> {
+        match self.stage(s)?.params().first().map(|p| p.device()) {
+            Some(d) if !d.same_device(t.device()) => t.to_device(d),
+            _ => Ok(t),
+        }
     }
 
     fn stage(&self, s: u32) -> Result<&'a dyn Stage> {

@@ -33,7 +33,9 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::backend::{BackendDevice, BackendStorage};
 use candle_core::cpu_backend::CpuDevice;
-use candle_core::{bail, CpuStorage, CustomOp1, Layout, Result, Shape, Storage, Tensor};
+use candle_core::{
+    bail, CpuStorage, CudaStorage, CustomOp1, Layout, MetalStorage, Result, Shape, Storage, Tensor,
+};
 use switchyard_comm::{Communicator, ReduceOp};
 
 use crate::error::invalid;
@@ -71,6 +73,52 @@ fn copy_out(src: &CpuStorage, layout: &Layout) -> Result<CpuStorage> {
     Ok(dst)
 }
 
+/// Copies `src` viewed through `layout` into fresh contiguous storage on its device.
+fn copy_device<B>(src: &B, layout: &Layout) -> Result<B>
+where
+    B: BackendStorage,
+    B::Device: BackendDevice<Storage = B>,
+{
+    let mut dst = src.device().zeros_impl(layout.shape(), src.dtype())?;
+    src.copy_strided_src(&mut dst, 0, layout)?;
+    Ok(dst)
+}
+
+impl Collective {
+    /// The forward on any device: `copy` copies a strided view into fresh storage,
+    /// `pick` finds this device's storage in the precomputed result.
+    fn forward<B>(
+        &self,
+        s: &B,
+        l: &Layout,
+        copy: fn(&B, &Layout) -> Result<B>,
+        pick: fn(&Storage) -> Option<&B>,
+    ) -> Result<(B, Shape)> {
+        match self.kind {
+            Kind::Copy => Ok((copy(s, l)?, l.shape().clone())),
+            Kind::Scatter(dim) => {
+                let n = self.comm.world_size();
+                let piece = l.dims()[dim] / n;
+                let local = l.narrow(dim, self.comm.rank() * piece, piece)?;
+                Ok((copy(s, &local)?, local.shape().clone()))
+            }
+            _ => {
+                let Some(r) = self.result.lock().unwrap_or_else(|e| e.into_inner()).take() else {
+                    bail!("{}: forward ran twice", CustomOp1::name(self));
+                };
+                let (storage, layout) = r.storage_and_layout();
+                match pick(&storage) {
+                    Some(c) => Ok((copy(c, layout)?, layout.shape().clone())),
+                    None => bail!(
+                        "{}: the communicator returned a tensor on another device",
+                        CustomOp1::name(self)
+                    ),
+                }
+            }
+        }
+    }
+}
+
 impl CustomOp1 for Collective {
     fn name(&self) -> &'static str {
         match self.kind {
@@ -84,25 +132,24 @@ impl CustomOp1 for Collective {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        match self.kind {
-            Kind::Copy => Ok((copy_out(s, l)?, l.shape().clone())),
-            Kind::Scatter(dim) => {
-                let n = self.comm.world_size();
-                let piece = l.dims()[dim] / n;
-                let local = l.narrow(dim, self.comm.rank() * piece, piece)?;
-                Ok((copy_out(s, &local)?, local.shape().clone()))
-            }
-            _ => {
-                let Some(r) = self.result.lock().unwrap_or_else(|e| e.into_inner()).take() else {
-                    bail!("{}: forward ran twice", self.name());
-                };
-                let (storage, layout) = r.storage_and_layout();
-                match &*storage {
-                    Storage::Cpu(c) => Ok((copy_out(c, layout)?, layout.shape().clone())),
-                    _ => bail!("{}: only CPU tensors are supported", self.name()),
-                }
-            }
-        }
+        self.forward(s, l, copy_out, |s| match s {
+            Storage::Cpu(c) => Some(c),
+            _ => None,
+        })
+    }
+
+    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+        self.forward(s, l, copy_device, |s| match s {
+            Storage::Cuda(c) => Some(c),
+            _ => None,
+        })
+    }
+
+    fn metal_fwd(&self, s: &MetalStorage, l: &Layout) -> Result<(MetalStorage, Shape)> {
+        self.forward(s, l, copy_device, |s| match s {
+            Storage::Metal(c) => Some(c),
+            _ => None,
+        })
     }
 
     fn bwd(&self, _arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {

@@ -35,7 +35,7 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use candle_core::{DType, Device, Module, Result, Tensor, Var};
+use candle_core::{DType, Module, Result, Tensor, Var};
 use switchyard_comm::Communicator;
 
 use crate::collectives::reduce_from_region;
@@ -110,7 +110,7 @@ impl VocabParallelEmbedding {
         let mut out_shape = ids.dims().to_vec();
         out_shape.push(self.dim);
         let w = self.weight.as_tensor();
-        let dev = Device::Cpu;
+        let dev = w.device().clone();
         if self.comm.world_size() == 1 {
             let idx = Tensor::from_vec(flat, ids.elem_count(), &dev)?;
             return w.index_select(&idx, 0)?.reshape(out_shape);

@@ -94,10 +94,11 @@ pub use collectives::{
 pub use embedding::VocabParallelEmbedding;
 pub use error::ShardError;
 pub use linear::{ColumnConfig, ColumnParallelLinear, RowConfig, RowParallelLinear};
-pub use loss::vocab_parallel_cross_entropy;
+pub use loss::{vocab_parallel_cross_entropy, vocab_parallel_cross_entropy_with};
 pub use mlp::ParallelMlp;
 pub use param::{Builder, Init, Param, ParamSource, ParamStore};
 pub use spec::{gather_full_tensor, ShardSpec};
+pub use switchyard_ops::OpsBackend;
 
 /// The tensor-parallel group a layer computes over (size 1: no tensor parallelism).
 ///

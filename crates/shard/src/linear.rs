@@ -21,7 +21,7 @@ use std::sync::Arc;
 
 use candle_core::{Module, Result, Tensor, Var};
 use switchyard_comm::{Communicator, ReduceOp};
-use switchyard_ops::{linear_with, LinearOptions, PairOptions, PairWeights, Reduce};
+use switchyard_ops::{linear_with, LinearOptions, OpsBackend, PairOptions, PairWeights, Reduce};
 
 use crate::collectives::{gather_from_region, scatter_to_region};
 use crate::error::ShardError;
@@ -79,11 +79,12 @@ fn pair_weights(col: &ColumnParallelLinear, row: &RowParallelLinear) -> Result<P
 
 /// The collectives of a column-then-row pair fused into one op: `f` (all-reduce of the
 /// input gradient) and `g` (all-reduce of the output); none on a group of one.
-pub(crate) fn pair_options(comm: &Arc<dyn Communicator>) -> PairOptions {
+pub(crate) fn pair_options(comm: &Arc<dyn Communicator>, backend: OpsBackend) -> PairOptions {
     let hook = (comm.world_size() > 1).then(|| all_reduce_hook(comm));
     PairOptions {
         reduce_output: hook.clone(),
         reduce_input_grad: hook,
+        backend,
     }
 }
 
@@ -146,6 +147,7 @@ pub struct ColumnParallelLinear {
     out_features: usize,
     blocks: usize,
     gather_output: bool,
+    ops: OpsBackend,
 }
 
 impl ColumnParallelLinear {
@@ -180,6 +182,7 @@ impl ColumnParallelLinear {
             out_features,
             blocks: cfg.blocks,
             gather_output: cfg.gather_output,
+            ops: vb.ops(),
         })
     }
 
@@ -205,7 +208,7 @@ impl ColumnParallelLinear {
             ShardSpec::padded(0, vocab_size),
             weight_init,
         )?;
-        ColumnParallelLinear::from_weight(name, weight, comm, false)
+        Ok(ColumnParallelLinear::from_weight(name, weight, comm, false)?.with_ops(vb.ops()))
     }
 
     /// A column-parallel layer without bias over an existing local weight of shape
@@ -229,7 +232,20 @@ impl ColumnParallelLinear {
             in_features,
             blocks: 1,
             gather_output,
+            ops: OpsBackend::Fused,
         })
+    }
+
+    /// The layer computing with `ops` ([`OpsBackend`]; a layer made by
+    /// [`ColumnParallelLinear::new`] takes its builder's).
+    pub fn with_ops(mut self, ops: OpsBackend) -> Self {
+        self.ops = ops;
+        self
+    }
+
+    /// The ops backend this layer computes with.
+    pub fn ops(&self) -> OpsBackend {
+        self.ops
     }
 
     /// `x` `[.., in]` (replicated) to `[.., out/p]` (this rank's slice), or `[.., out]`
@@ -253,6 +269,7 @@ impl ColumnParallelLinear {
             gelu,
             reduce_output: None,
             reduce_input_grad: (self.comm.world_size() > 1).then(|| all_reduce_hook(&self.comm)),
+            backend: self.ops,
         };
         let y = linear_with(
             x,
@@ -358,6 +375,7 @@ pub struct RowParallelLinear {
     in_features: usize,
     out_features: usize,
     input_is_parallel: bool,
+    ops: OpsBackend,
 }
 
 impl RowParallelLinear {
@@ -395,6 +413,7 @@ impl RowParallelLinear {
             in_features,
             out_features,
             input_is_parallel: cfg.input_is_parallel,
+            ops: vb.ops(),
         })
     }
 
@@ -409,6 +428,7 @@ impl RowParallelLinear {
             gelu: false,
             reduce_output: (self.comm.world_size() > 1).then(|| all_reduce_hook(&self.comm)),
             reduce_input_grad: None,
+            backend: self.ops,
         };
         // One fused op: the partial product, `g` (all-reduce forward, identity backward)
         // and the bias, added once after the reduction.

@@ -22,6 +22,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Result, Tensor};
 use switchyard_comm::{Communicator, ReduceOp};
+use switchyard_ops::OpsBackend;
 
 use crate::error::invalid;
 use crate::linear::all_reduce_hook;
@@ -42,6 +43,18 @@ pub fn vocab_parallel_cross_entropy(
     targets: &Tensor,
     vocab_size: usize,
     tp: &Arc<dyn Communicator>,
+) -> Result<Tensor> {
+    vocab_parallel_cross_entropy_with(local_logits, targets, vocab_size, tp, OpsBackend::Fused)
+}
+
+/// [`vocab_parallel_cross_entropy`] computed with `ops`: the fused CPU kernel or its
+/// composed twin, which runs on every candle device ([`OpsBackend`]).
+pub fn vocab_parallel_cross_entropy_with(
+    local_logits: &Tensor,
+    targets: &Tensor,
+    vocab_size: usize,
+    tp: &Arc<dyn Communicator>,
+    ops: OpsBackend,
 ) -> Result<Tensor> {
     let (n_rows, v_local) = match local_logits.dims() {
         &[n, v] => (n, v),
@@ -79,13 +92,13 @@ pub fn vocab_parallel_cross_entropy(
     }
 
     if n == 1 {
-        return switchyard_ops::cross_entropy(local_logits, targets);
+        return ops.cross_entropy(local_logits, targets);
     }
     let max_hook: switchyard_ops::Reduce = {
         let tp = tp.clone();
         Arc::new(move |t: &Tensor| Ok(tp.all_reduce(t, ReduceOp::Max)?))
     };
-    switchyard_ops::cross_entropy_parallel(
+    ops.cross_entropy_parallel(
         local_logits,
         targets,
         start,

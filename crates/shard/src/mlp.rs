@@ -69,7 +69,7 @@ impl ParallelMlp {
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         // One fused op: both products, GELU, both biases, `f` on the input gradient and
         // `g` on the output; the `[.., hidden/p]` activation never leaves it.
-        let opts = pair_options(self.c_fc.comm());
+        let opts = pair_options(self.c_fc.comm(), self.c_fc.ops());
         let w = self.fused.weights(&self.c_fc, &self.c_proj)?;
         mlp_with(x, &w, &opts)
             .map_err(|e| e.context(format!("{} (tensor-parallel MLP)", self.c_fc.name())))

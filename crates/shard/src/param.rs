@@ -16,6 +16,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use candle_core::{DType, Device, Result, Tensor, Var};
 use switchyard_comm::Communicator;
+use switchyard_ops::OpsBackend;
 
 use crate::error::{invalid, ShardError};
 use crate::rng::SplitMix64;
@@ -85,6 +86,7 @@ pub struct Param {
 
 struct StoreInner {
     dtype: DType,
+    device: Device,
     tp_rank: usize,
     tp_size: usize,
     source: ParamSource,
@@ -108,6 +110,18 @@ impl ParamStore {
     /// A store for rank `tp_rank` of a tensor-parallel group of `tp_size` ranks
     /// (`tp_size = 1`: no tensor parallelism), creating parameters in `dtype` on the CPU.
     pub fn new(dtype: DType, tp_rank: usize, tp_size: usize, source: ParamSource) -> Result<Self> {
+        ParamStore::new_on(&Device::Cpu, dtype, tp_rank, tp_size, source)
+    }
+
+    /// [`ParamStore::new`] creating the parameters on `device` (their values are computed
+    /// on the host, so they are the same on every device).
+    pub fn new_on(
+        device: &Device,
+        dtype: DType,
+        tp_rank: usize,
+        tp_size: usize,
+        source: ParamSource,
+    ) -> Result<Self> {
         if tp_size == 0 || tp_rank >= tp_size {
             return Err(invalid(format!(
                 "ParamStore: tensor-parallel rank {tp_rank} out of range for a group of {tp_size}"
@@ -120,6 +134,7 @@ impl ParamStore {
         }
         Ok(ParamStore(Arc::new(StoreInner {
             dtype,
+            device: device.clone(),
             tp_rank,
             tp_size,
             source,
@@ -133,12 +148,18 @@ impl ParamStore {
         ParamStore::new(dtype, tp.rank(), tp.world_size(), source)
     }
 
+    /// The device the parameters are created on.
+    pub fn device(&self) -> &Device {
+        &self.0.device
+    }
+
     /// A builder with an empty path prefix.
     pub fn builder(&self) -> Builder {
         Builder {
             store: self.clone(),
             prefix: String::new(),
             shared: false,
+            ops: OpsBackend::Fused,
         }
     }
 
@@ -292,7 +313,7 @@ impl ParamStore {
         };
         // `detach` + `Var::from_tensor` always copies into fresh storage, so the Var never
         // aliases the caller's (or another rank's) tensor.
-        let var = Var::from_tensor(&local.detach())?;
+        let var = Var::from_tensor(&local.to_device(&inner.device)?.detach())?;
         lock(&inner.params).push(Param {
             name,
             var: var.clone(),
@@ -326,6 +347,8 @@ pub struct Builder {
     /// [`Builder::shared`]: an existing parameter of the same name, full shape and spec
     /// is returned instead of refused.
     shared: bool,
+    /// [`Builder::with_ops`]: the ops backend of the layers built through this builder.
+    ops: OpsBackend,
 }
 
 impl Builder {
@@ -335,6 +358,7 @@ impl Builder {
             store: self.store.clone(),
             prefix: self.path(s.as_ref()),
             shared: self.shared,
+            ops: self.ops,
         }
     }
 
@@ -365,7 +389,24 @@ impl Builder {
             store: self.store.clone(),
             prefix: self.prefix.clone(),
             shared: true,
+            ops: self.ops,
         }
+    }
+
+    /// A builder (and the builders [`Builder::pp`] derives from it) whose layers compute
+    /// with `ops`: the fused CPU kernels (the default) or their composed twins, which run
+    /// on every candle device ([`OpsBackend`]). A model passes its configuration's
+    /// choice here; nothing is global.
+    pub fn with_ops(&self, ops: OpsBackend) -> Builder {
+        Builder {
+            ops,
+            ..self.clone()
+        }
+    }
+
+    /// The ops backend of the layers built through this builder ([`Builder::with_ops`]).
+    pub fn ops(&self) -> OpsBackend {
+        self.ops
     }
 
     /// The current prefix (`""` at the root).

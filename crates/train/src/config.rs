@@ -6,6 +6,7 @@ use switchyard_comm::MeshShape;
 use switchyard_models::{plan_stages, Model, SplitSpec};
 use switchyard_schedule::{generate, lower, validate, Program, ScheduleChoice, ScheduleKind};
 
+use crate::device::DeviceSpec;
 use crate::error::{err, TrainError};
 use crate::optim::{AdamWConfig, Decay};
 
@@ -71,6 +72,10 @@ pub struct TrainConfig<M> {
     pub eval_every: usize,
     /// Batches of the validation split each validation loss averages over.
     pub eval_batches: usize,
+    /// The candle device the run computes on (`cpu`, `cuda:N`, `metal`); left out of a
+    /// manifest at its default. See [`DeviceSpec`].
+    #[serde(skip_serializing_if = "DeviceSpec::is_cpu")]
+    pub device: DeviceSpec,
 }
 
 impl<M: Default> Default for TrainConfig<M> {
@@ -106,6 +111,7 @@ impl<M: Default> Default for TrainConfig<M> {
             val_fraction: 0.0,
             eval_every: 0,
             eval_batches: 8,
+            device: DeviceSpec::Cpu,
         }
     }
 }
@@ -245,11 +251,30 @@ impl<M> TrainConfig<M> {
 }
 
 impl<M: Model> TrainConfig<M> {
+    /// A device whose backend this build has, but that the trainer does not run on yet:
+    /// the ops run anywhere (their composed twins), but the trainer still creates its
+    /// parameters, batches and optimizer state in host memory. Refused before any work
+    /// rather than silently trained on the CPU.
+    fn device_is_wired(&self) -> Result<(), TrainError> {
+        match self.device.is_cpu() {
+            true => Ok(()),
+            false => Err(err!(
+                Config,
+                "--device {}: the ops run there (as their composed twins), but the trainer \
+                 does not place its parameters and batches on it yet (docs/PERFORMANCE.md, \
+                 \"GPUs\"); use --device cpu",
+                self.device
+            )),
+        }
+    }
+
     /// Every check that can be made before any worker starts, each with what to change.
     /// The cheap arithmetic comes first, so that no absurd value (a layout whose product
     /// overflows, more stages than layers, a model larger than this machine's memory)
     /// reaches the schedule generator or an allocation.
     pub fn validate(&self) -> Result<(), TrainError> {
+        self.device.check()?;
+        self.device_is_wired()?;
         let m = &self.model;
         m.validate()?;
         self.mesh().validate()?;

@@ -53,6 +53,7 @@
 pub mod checkpoint;
 mod config;
 pub mod data;
+mod device;
 pub mod error;
 pub mod export;
 pub mod optim;
@@ -67,6 +68,7 @@ pub use config::{
     memory_info, thread_limit, MemoryInfo, TrainConfig, BYTES_PER_PARAM, MAX_SCHEDULE_PAIRS,
     MAX_TIMEOUT_SECS,
 };
+pub use device::DeviceSpec;
 pub use error::TrainError;
 pub use report::{PipelineRankReport, StepRecord, TrainReport};
 pub use trainer::{train, train_rank, Resume, TrainOptions};

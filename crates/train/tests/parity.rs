@@ -6,6 +6,10 @@
 //! (`ReferenceGpt`, which shares no code with the parallel path) within 1e-5 relative in
 //! f32 — relative meaning `max |a − b| ≤ 1e-5 · max |b|` per tensor — and the loss curves
 //! of 20 training steps agree within 1e-4 relative at every step.
+//!
+//! The one-step checks run for both ops backends (the fused CPU kernels and their
+//! composed twins, the path every non-CPU device takes); the composed path also matches
+//! the fused one directly, and trains the same 20-step curve on a few layouts.
 
 mod common;
 
@@ -38,9 +42,43 @@ fn schedules(pp: usize) -> Vec<&'static str> {
 
 #[test]
 fn one_step_loss_and_gradients_match_the_reference() {
+    for ops in OpsBackend::ALL {
+        for (dp, pp, tp) in LAYOUTS {
+            for s in schedules(pp) {
+                assert_step_parity(&tiny_ops(dp, pp, tp, s, ops), 1e-5);
+            }
+        }
+    }
+}
+
+#[test]
+fn the_composed_ops_match_the_fused_ops_after_a_step() {
     for (dp, pp, tp) in LAYOUTS {
         for s in schedules(pp) {
-            assert_step_parity(&tiny(dp, pp, tp, s), 1e-5);
+            assert_composed_matches_fused(&tiny(dp, pp, tp, s), 1e-5);
+        }
+    }
+}
+
+#[test]
+fn the_composed_ops_train_the_reference_curve() {
+    let curves: Vec<Vec<f64>> = (1..=2)
+        .map(|dp| reference_curve(&tiny(dp, 1, 1, "1f1b")))
+        .collect();
+    for (dp, pp, tp, s) in [
+        (1, 1, 1, "1f1b"),
+        (1, 2, 2, "interleaved"),
+        (2, 2, 2, "zb-h1"),
+    ] {
+        let cfg = tiny_ops(dp, pp, tp, s, OpsBackend::Composed);
+        let report = train(&cfg, &Corpus::bundled(), &TrainOptions::default()).unwrap();
+        for (step, (r, w)) in report.steps.iter().zip(&curves[dp - 1]).enumerate() {
+            let e = (r.loss - w).abs() / w.abs();
+            assert!(
+                e <= 1e-4,
+                "composed dp {dp} pp {pp} tp {tp} {s}: step {step} loss {} vs reference {w} (rel {e:.2e})",
+                r.loss
+            );
         }
     }
 }
@@ -78,8 +116,8 @@ fn twenty_step_loss_curves_match_the_reference() {
 #[test]
 fn an_uneven_split_matches() {
     // 5 layers on 2 stages, 1 + 4 and 3 + 2.
-    for split in ["1,4", "3,2"] {
-        let mut cfg = tiny(1, 2, 1, "1f1b");
+    for (split, ops) in [("1,4", OpsBackend::Fused), ("3,2", OpsBackend::Composed)] {
+        let mut cfg = tiny_ops(1, 2, 1, "1f1b", ops);
         cfg.model.n_layer = 5;
         cfg.split = split.parse().unwrap();
         assert_step_parity(&cfg, 1e-5);
@@ -96,9 +134,11 @@ fn tied_embeddings_across_stages_match() {
         // Two stages on one rank: the head shares the table its own rank holds.
         (1, 1, 1, "interleaved"),
     ] {
-        let mut cfg = tiny(dp, pp, tp, s);
-        cfg.model.tied_embeddings = true;
-        assert_step_parity(&cfg, 1e-5);
+        for ops in OpsBackend::ALL {
+            let mut cfg = tiny_ops(dp, pp, tp, s, ops);
+            cfg.model.tied_embeddings = true;
+            assert_step_parity(&cfg, 1e-5);
+        }
     }
 }
 
@@ -130,7 +170,11 @@ fn a_vocabulary_tp_does_not_divide_matches_the_reference() {
             (2, 2, 2, "zb-h1"),
             (1, 4, 2, "gpipe"),
         ] {
-            assert_step_parity(&vocab_257(dp, pp, tp, s, tied), 1e-5);
+            for ops in OpsBackend::ALL {
+                let mut cfg = vocab_257(dp, pp, tp, s, tied);
+                cfg.model.ops = ops;
+                assert_step_parity(&cfg, 1e-5);
+            }
         }
     }
 }

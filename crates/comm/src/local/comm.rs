@@ -6,7 +6,7 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Instant;
 
-use candle_core::{Shape, Tensor};
+use candle_core::{Device, Shape, Tensor};
 use crossbeam_channel::select;
 
 use super::group::{agree, Deposit, Group, Shared};
@@ -56,10 +56,23 @@ impl LocalComm {
     }
 
     fn contiguous(&self, op: &'static str, t: &Tensor) -> Result<Tensor> {
-        if !t.device().is_cpu() {
-            return Err(self.invalid(op, "the in-process transport only moves CPU tensors"));
-        }
         Ok(t.contiguous().map_err(|e| self.backend(op, e))?.detach())
+    }
+
+    /// `t` in host memory (itself when it is there already).
+    fn to_host(&self, op: &'static str, t: &Tensor) -> Result<Tensor> {
+        match t.device().is_cpu() {
+            true => Ok(t.clone()),
+            false => t.to_device(&Device::Cpu).map_err(|e| self.backend(op, e)),
+        }
+    }
+
+    /// A result back on the device of the input it came from.
+    fn to_device(&self, op: &'static str, t: Tensor, device: &Device) -> Result<Tensor> {
+        match device.is_cpu() {
+            true => Ok(t),
+            false => t.to_device(device).map_err(|e| self.backend(op, e)),
+        }
     }
 
     fn deposit(&self, op: &'static str, desc: String) -> Deposit {
@@ -110,30 +123,12 @@ fn outer_inner(dims: &[usize], dim: usize) -> (usize, usize) {
     (dims[..dim].iter().product(), dims[dim..].iter().product())
 }
 
-impl Communicator for LocalComm {
-    fn rank(&self) -> usize {
-        self.me
-    }
-
-    fn world_size(&self) -> usize {
-        self.n()
-    }
-
-    fn members(&self) -> Vec<usize> {
-        self.group.members.clone()
-    }
-
-    fn name(&self) -> String {
-        self.group.name.clone()
-    }
-
-    fn send(&self, t: &Tensor, dst: usize, tag: Tag) -> Result<()> {
+/// The collectives on host tensors: the in-process transport moves host memory.
+impl LocalComm {
+    fn send_host(&self, t: &Tensor, dst: usize, tag: Tag) -> Result<()> {
         const OP: &str = "send";
         self.check_peer(OP, dst)?;
         self.world.check(OP, self.global(), Peer::Rank(dst))?;
-        if !t.device().is_cpu() {
-            return Err(self.invalid(OP, "the in-process transport only moves CPU tensors"));
-        }
         let dst_global = self.group.members[dst];
         let (tx, _) = self
             .world
@@ -142,7 +137,7 @@ impl Communicator for LocalComm {
             .map_err(|_| self.backend(OP, "mailbox closed"))
     }
 
-    fn recv(&self, src: usize, tag: Tag) -> Result<Tensor> {
+    fn recv_host(&self, src: usize, tag: Tag) -> Result<Tensor> {
         const OP: &str = "recv";
         self.check_peer(OP, src)?;
         let me = self.global();
@@ -175,7 +170,7 @@ impl Communicator for LocalComm {
         }
     }
 
-    fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
+    fn all_reduce_host(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
         const OP: &str = "all_reduce";
         let x = self.contiguous(OP, t)?;
         if self.n() == 1 {
@@ -198,7 +193,7 @@ impl Communicator for LocalComm {
         })
     }
 
-    fn all_gather(&self, t: &Tensor, dim: usize) -> Result<Tensor> {
+    fn all_gather_host(&self, t: &Tensor, dim: usize) -> Result<Tensor> {
         const OP: &str = "all_gather";
         self.check_dim(OP, t, dim)?;
         let x = self.contiguous(OP, t)?;
@@ -224,7 +219,7 @@ impl Communicator for LocalComm {
         })
     }
 
-    fn reduce_scatter(&self, t: &Tensor, dim: usize, op: ReduceOp) -> Result<Tensor> {
+    fn reduce_scatter_host(&self, t: &Tensor, dim: usize, op: ReduceOp) -> Result<Tensor> {
         const OP: &str = "reduce_scatter";
         let n = self.n();
         args::splits_evenly(t, dim, n).map_err(|r| self.invalid(OP, r))?;
@@ -266,7 +261,7 @@ impl Communicator for LocalComm {
         result.map_err(|e| self.backend(OP, e))
     }
 
-    fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor> {
+    fn broadcast_host(&self, t: &Tensor, root: usize) -> Result<Tensor> {
         const OP: &str = "broadcast";
         self.check_peer(OP, root)?;
         if self.n() == 1 {
@@ -289,7 +284,7 @@ impl Communicator for LocalComm {
             .expect("the root deposited its tensor"))
     }
 
-    fn all_to_all(&self, parts: Vec<Tensor>) -> Result<Vec<Tensor>> {
+    fn all_to_all_host(&self, parts: Vec<Tensor>) -> Result<Vec<Tensor>> {
         const OP: &str = "all_to_all";
         let n = self.n();
         args::one_part_per_rank(parts.len(), n).map_err(|r| self.invalid(OP, r))?;
@@ -305,6 +300,72 @@ impl Communicator for LocalComm {
                 agree(deps).map(|_| Shared::None)
             })?;
         Ok(deps.iter().map(|d| d.parts[self.me].clone()).collect())
+    }
+}
+
+impl Communicator for LocalComm {
+    fn rank(&self) -> usize {
+        self.me
+    }
+
+    fn world_size(&self) -> usize {
+        self.n()
+    }
+
+    fn members(&self) -> Vec<usize> {
+        self.group.members.clone()
+    }
+
+    fn name(&self) -> String {
+        self.group.name.clone()
+    }
+
+    // A tensor on another device moves to the host here, inside the communicator, and a
+    // result back to the device of its input: the rest of switchyard never copies to the
+    // host for communication (a device-aware backend, NCCL, would not copy at all).
+    // `recv` cannot know the receiver's device: it returns a host tensor.
+    fn send(&self, t: &Tensor, dst: usize, tag: Tag) -> Result<()> {
+        self.send_host(&self.to_host("send", t)?, dst, tag)
+    }
+
+    fn recv(&self, src: usize, tag: Tag) -> Result<Tensor> {
+        self.recv_host(src, tag)
+    }
+
+    fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
+        let r = self.all_reduce_host(&self.to_host("all_reduce", t)?, op)?;
+        self.to_device("all_reduce", r, t.device())
+    }
+
+    fn all_gather(&self, t: &Tensor, dim: usize) -> Result<Tensor> {
+        let r = self.all_gather_host(&self.to_host("all_gather", t)?, dim)?;
+        self.to_device("all_gather", r, t.device())
+    }
+
+    fn reduce_scatter(&self, t: &Tensor, dim: usize, op: ReduceOp) -> Result<Tensor> {
+        let r = self.reduce_scatter_host(&self.to_host("reduce_scatter", t)?, dim, op)?;
+        self.to_device("reduce_scatter", r, t.device())
+    }
+
+    fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor> {
+        let r = self.broadcast_host(&self.to_host("broadcast", t)?, root)?;
+        self.to_device("broadcast", r, t.device())
+    }
+
+    fn all_to_all(&self, parts: Vec<Tensor>) -> Result<Vec<Tensor>> {
+        let device = parts.first().map(|p| p.device().clone());
+        let parts = parts
+            .iter()
+            .map(|p| self.to_host("all_to_all", p))
+            .collect::<Result<Vec<_>>>()?;
+        let out = self.all_to_all_host(parts)?;
+        match device {
+            Some(d) => out
+                .into_iter()
+                .map(|t| self.to_device("all_to_all", t, &d))
+                .collect(),
+            None => Ok(out),
+        }
     }
 
     fn barrier(&self) -> Result<()> {

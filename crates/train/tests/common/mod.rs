@@ -9,6 +9,7 @@ use candle_core::Tensor;
 use switchyard_comm::local::Launcher;
 use switchyard_models::GptConfig;
 use switchyard_models::ReferenceGpt;
+pub use switchyard_shard::OpsBackend;
 use switchyard_shard::ParamSource;
 use switchyard_train::data::{Corpus, Dataset, Sampler};
 use switchyard_train::optim::{sum_sq, AdamW, LrSchedule};
@@ -35,6 +36,44 @@ pub fn tiny(dp: usize, pp: usize, tp: usize, schedule: &str) -> TrainConfig<GptC
     c.min_lr = 1e-3;
     c.threads_per_worker = 1;
     c
+}
+
+/// [`tiny`] computing with `ops`.
+pub fn tiny_ops(
+    dp: usize,
+    pp: usize,
+    tp: usize,
+    schedule: &str,
+    ops: OpsBackend,
+) -> TrainConfig<GptConfig> {
+    let mut c = tiny(dp, pp, tp, schedule);
+    c.model.ops = ops;
+    c
+}
+
+/// Checks one step of `cfg` with the composed ops against the same step with the fused
+/// ops: the loss and every gradient within `tol`.
+pub fn assert_composed_matches_fused(cfg: &TrainConfig<GptConfig>, tol: f64) {
+    let mut fused = cfg.clone();
+    fused.model.ops = OpsBackend::Fused;
+    let mut composed = cfg.clone();
+    composed.model.ops = OpsBackend::Composed;
+    let (want_loss, want) = parallel_step(&fused, 0);
+    let (loss, got) = parallel_step(&composed, 0);
+    let what = format!("dp {} pp {} tp {} {}", cfg.dp, cfg.pp, cfg.tp, cfg.schedule);
+    let lerr = (loss - want_loss).abs() / want_loss.abs();
+    assert!(
+        lerr <= tol,
+        "{what}: composed loss {loss} vs fused {want_loss} (rel {lerr:.2e})"
+    );
+    assert_eq!(got.len(), want.len(), "{what}: other parameters");
+    for (n, w) in &want {
+        let e = rel_err(&got[n], w);
+        assert!(
+            e <= tol,
+            "{what}: composed gradient of {n} differs from the fused one by {e:.2e} (relative)"
+        );
+    }
 }
 
 /// The initial full weights of `cfg` by name, as one device holds them.
@@ -112,7 +151,10 @@ pub fn assert_step_parity(cfg: &TrainConfig<GptConfig>, tol: f64) {
     let weights = initial_weights(cfg);
     let (want_loss, want) = reference_step(cfg, &weights, 0);
     let (loss, got) = parallel_step(cfg, 0);
-    let what = format!("dp {} pp {} tp {} {}", cfg.dp, cfg.pp, cfg.tp, cfg.schedule);
+    let what = format!(
+        "dp {} pp {} tp {} {} ops {}",
+        cfg.dp, cfg.pp, cfg.tp, cfg.schedule, cfg.model.ops
+    );
     let lerr = (loss - want_loss).abs() / want_loss.abs();
     assert!(
         lerr <= tol,
