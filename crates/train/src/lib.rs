@@ -68,6 +68,6 @@ pub use config::{
     MAX_TIMEOUT_SECS,
 };
 pub use error::TrainError;
-pub use report::{PipelineRankReport, StepRecord, TrainReport};
+pub use report::{Coords, PipelineRankReport, RankMemory, StepRecord, TrainReport};
 pub use trainer::{train, train_rank, Resume, TrainOptions};
 pub use worker::{NonFinite, StepMetrics, Worker};
