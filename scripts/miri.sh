@@ -19,3 +19,5 @@ cargo +nightly miri setup
 export MIRIFLAGS="${MIRIFLAGS:-} -Zmiri-num-cpus=2 -Zmiri-tree-borrows -Zmiri-ignore-leaks -Zmiri-permissive-provenance"
 # Its own target directory: Miri's builds never mix with the stable ones.
 cargo +nightly miri test -p switchyard-ops --lib --target-dir target/miri "$@"
+# The counting allocator: its header arithmetic and cross-thread frees.
+cargo +nightly miri test -p switchyard-mem --lib --target-dir target/miri

@@ -40,8 +40,15 @@ pub mod bench;
 
 /// A memory allocator that keeps freed memory for reuse instead of returning it to the
 /// kernel at once, so the same large tensors allocated every step cost no page faults.
-/// Binaries opt in with `#[global_allocator] static A: switchyard::Allocator = switchyard::Allocator;`.
-pub use mimalloc::MiMalloc as Allocator;
+/// Binaries opt in with `#[global_allocator] static A: switchyard::Allocator = switchyard::ALLOCATOR;`.
+pub type Allocator = switchyard_mem::Counting<mimalloc::MiMalloc>;
+
+/// The allocator's value, for `#[global_allocator] static A: switchyard::Allocator =
+/// switchyard::ALLOCATOR;`: mimalloc, counted per rank and category by `switchyard-mem`
+/// (what the training report's measured memory reads).
+pub const ALLOCATOR: Allocator = switchyard_mem::Counting(mimalloc::MiMalloc);
+
+pub use switchyard_mem as mem;
 
 /// The environment variable that makes [`Allocator`] keep freed memory in the process
 /// (`-1`: never hand it back to the OS), so the large tensors every step allocates reuse

@@ -5,7 +5,7 @@ use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 mod cli;
 
 #[global_allocator]
-static ALLOC: switchyard::Allocator = switchyard::Allocator;
+static ALLOC: switchyard::Allocator = switchyard::ALLOCATOR;
 
 /// Pipeline, tensor and data-parallel training on candle, with serial parity you can trust.
 #[derive(Parser)]

@@ -516,3 +516,25 @@ fn a_damaged_export_is_refused_by_eval_sample_and_init_and_a_foreign_file_loads_
     );
     assert_eq!(o.stdout, good.stdout);
 }
+
+#[test]
+fn report_json_holds_every_ranks_measured_memory() {
+    let dir = scratch("report-json");
+    let path = dir.join("report.json");
+    let args = tiny(&["--steps", "2", "--report-json", path.to_str().unwrap()]);
+    ok(&strs(&args));
+    let r: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    assert_eq!(r["layout"]["pp"], 2);
+    let ranks = r["ranks"].as_array().unwrap();
+    assert_eq!(ranks.len(), 4);
+    for (i, rank) in ranks.iter().enumerate() {
+        assert_eq!(rank["rank"], i);
+        let peak = rank["peak_bytes"].as_u64().unwrap();
+        let params = rank["bytes_by_category"]["parameters"].as_u64().unwrap();
+        assert!(params > 0 && params < peak, "{rank}");
+        assert!(rank["bubble_measured"].is_number(), "{rank}");
+        assert!(rank["tokens_per_s"].as_f64().unwrap() > 0.0, "{rank}");
+    }
+    assert!(r["config"]["model"]["d_model"] == 16);
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -128,6 +128,10 @@ pub struct TrainArgs {
     /// Write a Chrome trace of every action of every rank (open in Perfetto)
     #[arg(long)]
     pub trace: Option<PathBuf>,
+    /// Write the end report as JSON: the layout, the config, and per rank its coords,
+    /// measured peak memory by category, bubble and tokens/s
+    #[arg(long, value_name = "FILE")]
+    pub report_json: Option<PathBuf>,
     /// Compute threads per worker (default: the cores shared out)
     #[arg(long)]
     pub threads_per_worker: Option<usize>,
@@ -494,6 +498,13 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
         },
     };
     print!("{}", report.render(&cfg));
+    if let Some(p) = &a.report_json {
+        let mut text = serde_json::to_vec_pretty(&report_json(&cfg, &report))?;
+        text.push(b'\n');
+        std::fs::write(p, text)
+            .with_context(|| format!("cannot write --report-json {}", p.display()))?;
+        println!("report: {}", p.display());
+    }
     if let Some(p) = &opts.metrics {
         println!("metrics: {}", p.display());
     }
@@ -512,6 +523,43 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The end report as `--report-json` writes it.
+fn report_json(
+    cfg: &TrainConfig<GptConfig>,
+    report: &switchyard_train::TrainReport,
+) -> serde_json::Value {
+    let mesh = cfg.mesh();
+    let ranks: Vec<serde_json::Value> = (0..cfg.world_size())
+        .map(|r| {
+            let c = mesh.coord(r);
+            let pipe = report.pipeline.iter().find(|p| p.pp_rank == c.pp);
+            let mem = report.memory.iter().find(|m| m.rank == r);
+            serde_json::json!({
+                "rank": r,
+                "coords": { "dp": c.dp, "pp": c.pp, "tp": c.tp },
+                "peak_bytes": mem.map(|m| m.peak_bytes),
+                "bytes_by_category": mem.map(|m| &m.bytes_by_category),
+                // The estimator (issue 15 §2) is not written yet.
+                "predicted_peak_bytes": null,
+                "bubble_measured": pipe.map(|p| p.bubble_measured),
+                "bubble_predicted": pipe.map(|p| p.bubble_predicted),
+                "tokens_per_s": report.tokens_per_s,
+            })
+        })
+        .collect();
+    serde_json::json!({
+        "layout": {
+            "dp": cfg.dp, "pp": cfg.pp, "tp": cfg.tp,
+            "schedule": cfg.schedule.to_string(),
+            "microbatches": cfg.microbatches,
+            "virtual_stages": cfg.virtual_stages,
+        },
+        "config": cfg,
+        "ranks": ranks,
+        "report": report,
+    })
+}
+
 /// One rank of an `mpirun` job; rank 0 gets the report. A rank whose work fails ends
 /// the whole job through `MPI_Abort` (printing `rank R failed: …`), so that no other
 /// rank waits for it until its timeout.
@@ -526,7 +574,12 @@ fn run_mpi(
     let world = switchyard_comm::mpi::init_with(switchyard_comm::mpi::MpiConfig {
         timeout: std::time::Duration::from_secs_f64(cfg.comm_timeout_secs),
     })?;
-    let pool = switchyard_comm::threads::worker_pool(threads).map_err(anyhow::Error::msg)?;
+    // This process is one rank: its memory is measured on its own ledger.
+    let ledger = switchyard::mem::Ledger::new();
+    let _charging = ledger.as_ref().map(|l| l.enter());
+    let pool =
+        switchyard_comm::threads::worker_pool_charging(threads, ledger.as_ref().map(|l| l.id()))
+            .map_err(anyhow::Error::msg)?;
     match pool.install(|| train_rank(world, cfg, corpus, opts)) {
         Ok(report) => Ok(report),
         Err(e) => switchyard_comm::mpi::abort(1, &format!("{:#}", with_flag_advice(e))),

@@ -30,10 +30,25 @@ pub fn default_threads_per_worker(workers: usize) -> usize {
 /// A rayon pool of `threads` threads whose first thread is the calling thread, so that
 /// the rank keeps running on the thread the launcher gave it.
 pub fn worker_pool(threads: usize) -> crate::Result<rayon::ThreadPool> {
+    worker_pool_charging(threads, None)
+}
+
+/// [`worker_pool`] whose threads charge their allocations to `ledger` (see
+/// `switchyard-mem`), as the rank's own thread does.
+pub fn worker_pool_charging(
+    threads: usize,
+    ledger: Option<switchyard_mem::LedgerId>,
+) -> crate::Result<rayon::ThreadPool> {
     rayon::ThreadPoolBuilder::new()
         .num_threads(threads.max(1))
         .use_current_thread()
         .thread_name(|i| format!("switchyard-compute-{i}"))
+        .start_handler(move |_| {
+            if let Some(id) = ledger {
+                // For the thread's whole life: the pool's threads are this rank's.
+                std::mem::forget(id.enter());
+            }
+        })
         .build()
         .map_err(|e| CommError::Threads {
             threads,

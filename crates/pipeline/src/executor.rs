@@ -246,6 +246,13 @@ impl<'a> Executor<'a> {
             let t0 = Instant::now();
             let (s, m) = (a.stage, a.microbatch);
             let key = (s, m);
+            // What each action allocates, for the measured memory of `switchyard-mem`:
+            // a forward's outputs and saved tensors are activations; a backward's are
+            // gradients (of the parameters, kept, and of the activations, passed on).
+            let _category = switchyard_mem::scope(match a.op {
+                Op::F => switchyard_mem::Category::Activations,
+                _ => switchyard_mem::Category::Gradients,
+            });
             match a.op {
                 Op::F => {
                     let stage = self.stage(s)?;

@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use crate::error::{Context, Result};
 use candle_core::{Device, Tensor};
 use serde::Serialize;
+use switchyard_mem::Category;
 use switchyard_pipeline::step_bubbles;
 use switchyard_schedule::{simulate, Action, Costs, Op};
 
@@ -70,6 +71,24 @@ pub struct PipelineRankReport {
     pub peak_per_stage: Vec<(u32, usize)>,
 }
 
+/// A rank's place on the mesh.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Coords {
+    pub dp: usize,
+    pub pp: usize,
+    pub tp: usize,
+}
+
+/// One rank's measured memory: the most bytes it held at once during the run, and what
+/// they were for at that moment (`switchyard-mem`'s categories).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RankMemory {
+    pub rank: usize,
+    pub coords: Coords,
+    pub peak_bytes: usize,
+    pub bytes_by_category: BTreeMap<String, usize>,
+}
+
 /// What a run did.
 #[derive(Debug, Clone, Serialize)]
 pub struct TrainReport {
@@ -77,6 +96,9 @@ pub struct TrainReport {
     /// Median tokens/s over the steps after the first.
     pub tokens_per_s: f64,
     pub pipeline: Vec<PipelineRankReport>,
+    /// Each rank's measured memory; empty when the process does not count allocations
+    /// (its global allocator is not `switchyard_mem::Counting`).
+    pub memory: Vec<RankMemory>,
     pub world_size: usize,
     /// The run stopped early because [`TrainOptions::stop`](crate::TrainOptions::stop)
     /// was set; `steps` holds the steps it finished.
@@ -142,8 +164,32 @@ impl TrainReport {
                 );
             }
         }
+        if !self.memory.is_empty() {
+            s += "memory     measured peak   by category at the peak (MiB)\n";
+            for m in &self.memory {
+                let split: Vec<String> = m
+                    .bytes_by_category
+                    .iter()
+                    .filter(|(_, &b)| b > 0)
+                    .map(|(c, &b)| format!("{c} {:.2}", mib(b)))
+                    .collect();
+                s += &format!(
+                    "  rank {:<3} (dp {} pp {} tp {}) {:>9.2} MiB   {}\n",
+                    m.rank,
+                    m.coords.dp,
+                    m.coords.pp,
+                    m.coords.tp,
+                    mib(m.peak_bytes),
+                    split.join(", ")
+                );
+            }
+        }
         s
     }
+}
+
+fn mib(bytes: usize) -> f64 {
+    bytes as f64 / (1024.0 * 1024.0)
 }
 
 pub(crate) fn median(mut v: Vec<f64>) -> f64 {
@@ -188,6 +234,22 @@ fn rank_row(steps: &[StepMetrics], v: usize) -> Vec<f64> {
     row
 }
 
+/// Entries of [`memory_row`]: measured or not, the peak, the peak's split by category.
+const MEMORY_WIDTH: usize = 2 + Category::ALL.len();
+
+/// This rank's measured memory (switchyard-mem) as a row of [`MEMORY_WIDTH`]: `1` when
+/// measured (the process counts allocations and this thread charges a rank's ledger),
+/// else all `0`.
+fn memory_row() -> Vec<f64> {
+    match switchyard_mem::this_ledger().filter(|_| switchyard_mem::is_counting()) {
+        Some(u) => [1.0, u.peak as f64]
+            .into_iter()
+            .chain(u.peak_by_category.iter().map(|&b| b as f64))
+            .collect(),
+        None => vec![0.0; MEMORY_WIDTH],
+    }
+}
+
 /// The median over steps of each rank's bubble (see [`switchyard_pipeline::step_bubbles`]),
 /// from every rank's row of [`rank_row`]: `n` steps of `(compute, wall)` from `offset`.
 fn median_bubbles(rows: &[f64], width: usize, offset: usize, n: usize) -> Vec<f64> {
@@ -218,7 +280,8 @@ pub(crate) fn gather<M: Model>(
     let cfg = &worker.cfg;
     let world = &*worker.mesh.world;
     let v = worker.program().num_stages as usize / cfg.pp;
-    let row = rank_row(steps, v);
+    let mut row = rank_row(steps, v);
+    row.extend(memory_row());
     let width = row.len();
     let rows = world
         .all_gather(&Tensor::new(row.as_slice(), &Device::Cpu)?, 0)?
@@ -270,6 +333,28 @@ pub(crate) fn gather<M: Model>(
             }
         })
         .collect();
+    let memory = (0..cfg.world_size())
+        .filter_map(|r| {
+            let x = &rows[(r + 1) * width - MEMORY_WIDTH..(r + 1) * width];
+            (x[0] > 0.0).then(|| {
+                let c = mesh.coord(r);
+                RankMemory {
+                    rank: r,
+                    coords: Coords {
+                        dp: c.dp,
+                        pp: c.pp,
+                        tp: c.tp,
+                    },
+                    peak_bytes: x[1] as usize,
+                    bytes_by_category: Category::ALL
+                        .iter()
+                        .zip(&x[2..])
+                        .map(|(c, &b)| (c.name().to_string(), b as usize))
+                        .collect(),
+                }
+            })
+        })
+        .collect();
     let records: Vec<StepRecord> = steps.iter().map(|m| StepRecord::of(cfg, m)).collect();
     let tokens_per_s = median(
         records
@@ -282,6 +367,7 @@ pub(crate) fn gather<M: Model>(
         steps: records,
         tokens_per_s,
         pipeline,
+        memory,
         world_size: cfg.world_size(),
         interrupted: false,
         last_checkpoint: None,

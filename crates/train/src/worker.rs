@@ -19,6 +19,7 @@ use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor, TensorId, Var};
 use switchyard_comm::{Communicator, Mesh, ReduceOp};
+use switchyard_mem::Category;
 use switchyard_models::{plan_stages, Model, ModelStage};
 use switchyard_pipeline::{CheckedProgram, Executor, Microbatches, Stage, StepStats};
 use switchyard_schedule::Program;
@@ -116,6 +117,9 @@ impl<'a, M: Model> Worker<'a, M> {
         let program = CheckedProgram::new(&cfg.program()?)?;
         let pipe = program.program();
         let plans = plan_stages(&cfg.model.costs(cfg.seq_len), cfg.num_stages(), &cfg.split)?;
+        // Measured memory (switchyard-mem): what building the stages allocates is
+        // parameters.
+        let category = switchyard_mem::scope(Category::Parameters);
         let store = ParamStore::for_group(&*mesh.tp, DType::F32, source)?;
         let mut stages = Vec::new();
         for s in pipe.stages_of_rank(mesh.coord.pp as u32) {
@@ -192,7 +196,11 @@ impl<'a, M: Model> Worker<'a, M> {
                 tied.push((i, group));
             }
         }
-        let opt = AdamW::new(params.iter().map(|p| p.var.clone()).collect(), cfg.adamw());
+        drop(category);
+        let opt = {
+            let _optimizer = switchyard_mem::scope(Category::Optimizer);
+            AdamW::new(params.iter().map(|p| p.var.clone()).collect(), cfg.adamw())
+        };
         let schedule = LrSchedule {
             max_lr: cfg.lr,
             min_lr: cfg.min_lr,
@@ -296,6 +304,7 @@ impl<'a, M: Model> Worker<'a, M> {
 
     /// Sums the tied copies' gradients and averages over data-parallel replicas.
     pub fn sync_grads(&self, grads: &mut [Option<Tensor>]) -> Result<()> {
+        let _gradients = switchyard_mem::scope(Category::Gradients);
         for (g, p) in grads.iter_mut().zip(&self.params) {
             if g.is_none() {
                 *g = Some(p.var.zeros_like()?);
@@ -408,12 +417,16 @@ impl<'a, M: Model> Worker<'a, M> {
         let clip = self.cfg.grad_clip;
         if clip > 0.0 && grad_norm > clip {
             let scale = clip / (grad_norm + 1e-6);
+            let _gradients = switchyard_mem::scope(Category::Gradients);
             for g in grads.iter_mut().flatten() {
                 *g = g.affine(scale, 0.0)?;
             }
         }
         let lr = self.schedule.at(step);
-        self.opt.step(&grads, lr)?;
+        {
+            let _optimizer = switchyard_mem::scope(Category::Optimizer);
+            self.opt.step(&grads, lr)?;
+        }
         Ok(Ok(StepMetrics {
             step,
             loss,

@@ -332,7 +332,12 @@ impl Launcher {
                                 group,
                                 me: rank,
                             });
-                            let outcome = run_rank(threads, || f(comm));
+                            // The rank's memory, measured (see switchyard-mem); none
+                            // when every ledger is taken.
+                            let ledger = switchyard_mem::Ledger::new();
+                            let _charging = ledger.as_ref().map(|l| l.enter());
+                            let outcome =
+                                run_rank(threads, ledger.as_ref().map(|l| l.id()), || f(comm));
                             let outcome = outcome.map_err(|(kind, message)| {
                                 let fl = RankFailure {
                                     rank,
@@ -370,6 +375,7 @@ impl Launcher {
 /// Runs one rank's closure inside its own compute pool, catching panics.
 fn run_rank<T: Send, E: fmt::Display>(
     threads: usize,
+    ledger: Option<switchyard_mem::LedgerId>,
     f: impl FnOnce() -> std::result::Result<T, E> + Send,
 ) -> std::result::Result<T, (FailureKind, String)> {
     let body = move || match catch_unwind(AssertUnwindSafe(f)) {
@@ -377,7 +383,7 @@ fn run_rank<T: Send, E: fmt::Display>(
         Ok(Err(e)) => Err((FailureKind::Error, e.to_string())),
         Err(p) => Err((FailureKind::Panic, panic_message(p.as_ref()))),
     };
-    match threads::worker_pool(threads) {
+    match threads::worker_pool_charging(threads, ledger) {
         Ok(pool) => pool.install(body),
         Err(e) => Err((FailureKind::Error, e.to_string())),
     }

@@ -1,0 +1,98 @@
+//! Measured memory (issue 15 §1): with `switchyard_mem::Counting` as the global allocator,
+//! the report holds every rank's measured peak and its split by category, and the
+//! categories hold what they should: parameters 4 bytes and AdamW's two f64 moments 16
+//! bytes per parameter a rank holds, split by tensor parallelism.
+
+use switchyard_mem::Counting;
+use switchyard_models::{GptConfig, Model};
+use switchyard_train::data::Corpus;
+use switchyard_train::{train, RankMemory, TrainConfig, TrainOptions};
+
+#[global_allocator]
+static ALLOC: Counting<std::alloc::System> = Counting(std::alloc::System);
+
+fn cfg(dp: usize, pp: usize, tp: usize) -> TrainConfig<GptConfig> {
+    TrainConfig {
+        model: GptConfig {
+            n_layer: 4,
+            d_model: 64,
+            n_head: 4,
+            block_size: 16,
+            ..GptConfig::default()
+        },
+        seq_len: 16,
+        dp,
+        pp,
+        tp,
+        microbatches: 4,
+        batch: 8,
+        steps: 2,
+        threads_per_worker: 1,
+        ..TrainConfig::default()
+    }
+}
+
+fn memory(c: &TrainConfig<GptConfig>) -> Vec<RankMemory> {
+    let report = train(c, &Corpus::bundled(), &TrainOptions::default()).unwrap();
+    assert_eq!(report.memory.len(), c.world_size(), "one entry per rank");
+    for (r, m) in report.memory.iter().enumerate() {
+        assert_eq!(m.rank, r);
+        let sum: usize = m.bytes_by_category.values().sum();
+        assert!(
+            sum <= m.peak_bytes && sum * 10 >= m.peak_bytes * 9,
+            "rank {r}: the split ({sum}) is the peak ({})",
+            m.peak_bytes
+        );
+    }
+    report.memory
+}
+
+/// `got` is `payload` bytes of tensor data plus at most 1 KiB of bookkeeping (names,
+/// shapes, candle's tensor headers) for each of `tensors` tensors.
+fn about(got: usize, payload: usize, tensors: usize, what: &str) {
+    assert!(
+        got >= payload && got <= payload + 1024 * tensors,
+        "{what}: {got} bytes for {payload} bytes of data in {tensors} tensors"
+    );
+}
+
+#[test]
+fn parameters_and_optimizer_state_are_what_each_rank_holds() {
+    let c = cfg(1, 1, 1);
+    let params = c.model.param_count();
+    let n = Model::param_shapes(&c.model).unwrap().len();
+    let serial = memory(&c);
+    let cat = |m: &RankMemory, k: &str| m.bytes_by_category[k];
+    about(cat(&serial[0], "parameters"), 4 * params, n, "parameters");
+    about(
+        cat(&serial[0], "optimizer"),
+        16 * params,
+        n,
+        "AdamW moments",
+    );
+    assert!(cat(&serial[0], "activations") > 0);
+    assert!(cat(&serial[0], "gradients") > 0);
+
+    // Tensor parallelism halves the parameters of each rank (but the replicated
+    // LayerNorms, biases and positions); a pipeline splits the layers.
+    let tp = memory(&cfg(1, 1, 2));
+    for m in &tp {
+        assert!(cat(m, "parameters") < cat(&serial[0], "parameters") * 6 / 10);
+    }
+    let pp = memory(&cfg(1, 2, 1));
+    let both: usize = pp.iter().map(|m| cat(m, "optimizer")).sum();
+    about(both, 16 * params, 2 * n, "optimizer state over 2 pp ranks");
+    // Data parallelism replicates everything.
+    let dp = memory(&cfg(2, 1, 1));
+    for m in &dp {
+        about(cat(m, "parameters"), 4 * params, n, "a dp replica");
+    }
+}
+
+#[test]
+fn the_first_pipeline_stage_stashes_more_activations_than_the_last() {
+    // 1F1B: stage 0 holds p microbatches in flight, the last stage one.
+    let m = memory(&cfg(1, 2, 1));
+    let act = |r: usize| m[r].bytes_by_category["activations"];
+    assert!(act(0) > act(1), "stage 0 {} vs stage 1 {}", act(0), act(1));
+}
