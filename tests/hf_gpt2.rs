@@ -14,7 +14,6 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use candle_core::{Device, Tensor};
 use serde::Deserialize;
@@ -23,17 +22,13 @@ use switchyard::pipeline::Stage;
 use switchyard::train::export::Integrity;
 use switchyard::train::weights::Weights;
 
+mod common;
+use common::{fails, ok, scratch, tiny};
+
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("tests/fixtures")
         .join(name)
-}
-
-fn scratch(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("switchyard-hf-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
 }
 
 #[derive(Deserialize)]
@@ -145,60 +140,39 @@ fn export_load_export_keeps_every_tensor_and_the_config() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-fn switchyard(args: &[&str]) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_switchyard"))
-        .args(args)
-        .output()
-        .unwrap()
-}
-
-fn ok(args: &[&str]) -> String {
-    let o = switchyard(args);
-    assert!(
-        o.status.success(),
-        "switchyard {args:?}: {}",
-        String::from_utf8_lossy(&o.stderr)
-    );
-    String::from_utf8_lossy(&o.stdout).into_owned()
-}
-
-const TINY: [&str; 13] = [
-    "--d-model",
-    "16",
-    "--layers",
-    "2",
-    "--heads",
-    "2",
-    "--seq-len",
-    "8",
-    "--batch",
-    "4",
-    "--microbatches",
-    "2",
-    "--quiet",
-];
-
 /// Trains the tiny model 3 steps and exports it as a transformers directory at `out`.
 fn train_and_export(tied: bool, out: &Path) {
-    let ckpt = scratch(&format!("ckpt-{tied}"));
-    let mut args: Vec<&str> = vec!["train"];
-    args.extend(TINY);
-    args.extend(["--steps", "3", "--threads-per-worker", "1"]);
-    args.extend(["--checkpoint-dir", ckpt.to_str().unwrap()]);
+    let ckpt = scratch(&format!("hf-ckpt-{tied}"));
+    let mut args = tiny(&["--steps", "3", "--checkpoint-dir", ckpt.to_str().unwrap()]);
     if tied {
-        args.push("--tied");
+        args.push("--tied".into());
     }
     ok(&args);
-    let mut export = vec!["export", "--checkpoint", ckpt.to_str().unwrap()];
-    export.extend([
+    ok(&strings(&[
+        "export",
+        "--checkpoint",
+        ckpt.to_str().unwrap(),
         "--format",
         "hf-gpt2",
         "--out",
         out.to_str().unwrap(),
         "--force",
-    ]);
-    ok(&export);
+    ]));
     std::fs::remove_dir_all(&ckpt).unwrap();
+}
+
+fn strings(args: &[&str]) -> Vec<String> {
+    args.iter().map(|s| s.to_string()).collect()
+}
+
+/// Every tensor's name and shape, sorted.
+fn shapes(tensors: &HashMap<String, Tensor>) -> Vec<(String, Vec<usize>)> {
+    let mut v: Vec<_> = tensors
+        .iter()
+        .map(|(n, t)| (n.clone(), t.dims().to_vec()))
+        .collect();
+    v.sort();
+    v
 }
 
 #[test]
@@ -206,7 +180,7 @@ fn switchyard_exports_are_what_transformers_loads() {
     let write = std::env::var_os("SWITCHYARD_WRITE_HF_EXPORTS").is_some();
     for (tied, name) in [(true, "hf-export-tied"), (false, "hf-export-untied")] {
         let committed = fixture(name);
-        let fresh = scratch(name).join("export");
+        let fresh = scratch(&format!("hf-{name}")).join("export");
         train_and_export(tied, &fresh);
         if write {
             train_and_export(tied, &committed);
@@ -221,39 +195,25 @@ fn switchyard_exports_are_what_transformers_loads() {
         assert!(loss <= 1e-5, "{name}: loss differs by {loss:.2e}");
         // And today's export has the same form (names, shapes, config), so what the
         // script checked still describes it. (Values depend on the CPU's kernels.)
+        let read = |d: &Path, f: &str| std::fs::read(d.join(f)).unwrap();
         let json = |d: &Path| -> serde_json::Value {
-            serde_json::from_slice(&std::fs::read(d.join("config.json")).unwrap()).unwrap()
+            serde_json::from_slice(&read(d, "config.json")).unwrap()
         };
         assert_eq!(
             json(&fresh),
             json(&committed),
             "{name}: config.json changed"
         );
-        let shapes = |w: &Weights<GptConfig>| -> Vec<(String, Vec<usize>)> {
-            let mut v: Vec<_> = w
-                .tensors
-                .iter()
-                .map(|(n, t)| (n.clone(), t.dims().to_vec()))
-                .collect();
-            v.sort();
-            v
-        };
-        let st_names = |d: &Path| -> Vec<(String, Vec<usize>)> {
-            let m =
-                candle_core::safetensors::load(d.join("model.safetensors"), &Device::Cpu).unwrap();
-            let mut v: Vec<_> = m
-                .iter()
-                .map(|(n, t)| (n.clone(), t.dims().to_vec()))
-                .collect();
-            v.sort();
-            v
+        let file = |d: &Path| {
+            candle_core::safetensors::load_buffer(&read(d, "model.safetensors"), &Device::Cpu)
+                .unwrap()
         };
         assert_eq!(
-            st_names(&fresh),
-            st_names(&committed),
+            shapes(&file(&fresh)),
+            shapes(&file(&committed)),
             "{name}: tensors changed"
         );
-        assert_eq!(shapes(&load(&fresh)), shapes(&w));
+        assert_eq!(shapes(&load(&fresh).tensors), shapes(&w.tensors));
         std::fs::remove_dir_all(fresh.parent().unwrap()).unwrap();
     }
     assert!(
@@ -266,22 +226,14 @@ fn switchyard_exports_are_what_transformers_loads() {
 fn train_eval_and_sample_start_from_a_transformers_directory() {
     let dir = fixture("hf-gpt2-tiny");
     let d = dir.to_str().unwrap();
-    let mut args: Vec<&str> = vec!["train"];
-    args.extend(TINY);
-    args.extend([
-        "--steps",
-        "2",
-        "--threads-per-worker",
-        "1",
-        "--tied",
-        "--init",
-        d,
-    ]);
-    ok(&args);
-    // The same on a layout with a tensor-parallel and a pipeline axis.
-    args.extend(["--pp", "2", "--tp", "2"]);
-    ok(&args);
-    let out = ok(&[
+    // No model flags: the directory's config.json gives the model. One worker, then the
+    // default layout (pp 2 × tp 2).
+    let one = tiny(&["--steps", "2", "--pp", "1", "--tp", "1", "--init", d]);
+    let (out, _) = ok(&one);
+    assert!(out.contains("on 1 workers"), "{out}");
+    let (out, _) = ok(&tiny(&["--steps", "2", "--init", d]));
+    assert!(out.contains("dp 1 × pp 2 × tp 2"), "{out}");
+    let (out, _) = ok(&strings(&[
         "eval",
         "--checkpoint",
         d,
@@ -290,16 +242,13 @@ fn train_eval_and_sample_start_from_a_transformers_directory() {
         "--seq-len",
         "8",
         "--json",
-    ]);
+    ]));
     assert!(out.contains("\"windows\":4"), "{out}");
-    ok(&["sample", "--checkpoint", d, "--tokens", "4"]);
+    ok(&strings(&["sample", "--checkpoint", d, "--tokens", "4"]));
     // Another shape than the directory's: refused, naming the flags.
-    let mut wrong: Vec<&str> = vec!["train"];
-    wrong.extend(TINY);
-    wrong[2] = "32";
-    wrong.extend(["--steps", "1", "--tied", "--init", d]);
-    let o = switchyard(&wrong);
-    assert!(!o.status.success());
-    let e = String::from_utf8_lossy(&o.stderr);
+    let mut wrong = tiny(&["--steps", "1", "--init", d]);
+    let at = wrong.iter().position(|a| a == "--d-model").unwrap();
+    wrong[at + 1] = "32".into();
+    let e = fails(&wrong);
     assert!(e.contains("pass matching --d-model"), "{e}");
 }

@@ -16,24 +16,9 @@ use own_model::{tiny, OwnConfig};
 use switchyard::models::{GptConfig, Model};
 use switchyard::train::data::{Corpus, Dataset, Sampler};
 use switchyard::train::optim::{AdamW, LrSchedule};
-use switchyard::train::testing::{check_step_parity, initial_weights};
+use switchyard::train::testing::{check_step_parity, initial_weights, schedules, LAYOUTS};
 use switchyard::train::weights::Weights;
 use switchyard::train::{train, Resume, TrainConfig, TrainOptions};
-
-const LAYOUTS: [(usize, usize, usize); 10] = [
-    (1, 1, 1),
-    (1, 2, 1),
-    (1, 4, 1),
-    (1, 1, 2),
-    (1, 1, 4),
-    (2, 1, 1),
-    (1, 2, 2),
-    (2, 2, 1),
-    (2, 1, 2),
-    (2, 2, 2),
-];
-
-const SCHEDULES: [&str; 4] = ["gpipe", "1f1b", "interleaved", "zb-h1"];
 
 /// A smaller model than the example's, with 8 blocks so that `pp 4 × 2` virtual stages
 /// each get one; the global batch is the same on every layout.
@@ -191,8 +176,7 @@ fn a_the_serial_curve_is_a_hand_written_candle_loop() {
 #[test]
 fn b_one_step_of_every_layout_and_schedule_matches_one_device() {
     for (dp, pp, tp) in LAYOUTS {
-        let schedules: &[&str] = if pp == 1 { &["1f1b"] } else { &SCHEDULES };
-        for s in schedules {
+        for s in schedules(pp) {
             check_step_parity(&cfg(dp, pp, tp, s), &serial(), &Corpus::bundled(), 1e-5)
                 .unwrap_or_else(|e| panic!("{e:#}"));
         }
@@ -249,7 +233,7 @@ fn d_a_vocabulary_the_tensor_parallel_degree_does_not_divide_is_padded() {
 #[test]
 fn e_twenty_steps_on_2x2x2_follow_the_serial_curve_on_every_schedule() {
     let want = curve(&serial(), &TrainOptions::default());
-    for s in SCHEDULES {
+    for s in schedules(2) {
         let got = curve(&cfg(2, 2, 2, s), &TrainOptions::default());
         assert_close(&got, &want, 1e-4, s);
     }

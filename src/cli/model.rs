@@ -6,9 +6,9 @@ use std::path::PathBuf;
 use anyhow::{anyhow, Context};
 use clap::Args;
 use switchyard_models::sample::sample_with;
-use switchyard_models::{GptConfig, Model};
+use switchyard_models::GptConfig;
 use switchyard_train::data::{self, DataSpec, Dataset, TokenWidth};
-use switchyard_train::weights::{check_destination, evaluate, Weights};
+use switchyard_train::weights::{check_destination, evaluate, Dest, Weights};
 
 /// The number of heads to assume for a weights file without switchyard metadata.
 const DEFAULT_HEADS: usize = 4;
@@ -54,14 +54,16 @@ fn load(path: &std::path::Path, heads: usize) -> anyhow::Result<Weights<GptConfi
 }
 
 pub fn export(a: ExportArgs) -> anyhow::Result<()> {
-    if a.format == ExportFormat::Nanogpt {
-        if a.tokenizer.is_some() {
-            return Err(anyhow!(
-                "--tokenizer goes with --format hf-gpt2 (a nanogpt export is one file)"
-            ));
-        }
-        check_destination(&a.out, a.force, Some(&a.checkpoint))?;
+    let dest = match a.format {
+        ExportFormat::Nanogpt => Dest::File,
+        ExportFormat::HfGpt2 => Dest::Dir,
+    };
+    if dest == Dest::File && a.tokenizer.is_some() {
+        return Err(anyhow!(
+            "--tokenizer goes with --format hf-gpt2 (a nanogpt export is one file)"
+        ));
     }
+    check_destination(&a.out, a.force, Some(&a.checkpoint), dest)?;
     let extra = match &a.tokenizer {
         Some(t) => vec![(
             "tokenizer.json",
@@ -71,26 +73,8 @@ pub fn export(a: ExportArgs) -> anyhow::Result<()> {
     };
     let w = load(&a.checkpoint, DEFAULT_HEADS)?;
     let tensors = match a.format {
-        ExportFormat::Nanogpt => {
-            w.export_to(&a.out, a.force)?;
-            w.export_tensors()?.len()
-        }
-        ExportFormat::HfGpt2 => {
-            let source = a.checkpoint.canonicalize()?;
-            let parent = match a.out.parent() {
-                Some(p) if !p.as_os_str().is_empty() => p,
-                _ => std::path::Path::new("."),
-            };
-            if parent.canonicalize()?.starts_with(&source) {
-                return Err(anyhow!(
-                    "--out {} is inside {}, the checkpoint being exported: write the export elsewhere",
-                    a.out.display(),
-                    a.checkpoint.display()
-                ));
-            }
-            w.export_hf(&a.out, &extra, a.force)?;
-            w.config.hf_export(&w.tensors)?.1.len()
-        }
+        ExportFormat::Nanogpt => w.export_to(&a.out, a.force)?,
+        ExportFormat::HfGpt2 => w.export_hf(&a.out, &extra, a.force)?,
     };
     println!(
         "wrote {} ({} tensors, {:.2}M parameters)",

@@ -277,11 +277,7 @@ pub struct DataChoice {
 fn model_of(path: &Path) -> anyhow::Result<Option<GptConfig>> {
     use std::io::Read;
     if weights::is_hf_dir(path) {
-        let file = path.join(weights::HF_CONFIG);
-        let json: serde_json::Value = serde_json::from_slice(
-            &std::fs::read(&file).with_context(|| format!("cannot read {}", file.display()))?,
-        )
-        .with_context(|| format!("{} is not JSON", file.display()))?;
+        let json = weights::read_hf_config(path)?;
         let (m, _) = switchyard_models::hf::from_hf(&json, Default::default())
             .with_context(|| path.display().to_string())?;
         return Ok(Some(m));

@@ -253,11 +253,11 @@ impl ModelStage for GptStage {
 /// The token table, which a tied LM head shares.
 const WTE: &str = "transformer.wte.weight";
 /// The untied LM head, and a tied one's alias in nanoGPT's state dict.
-const LM_HEAD: &str = "lm_head.weight";
+pub(crate) const LM_HEAD: &str = "lm_head.weight";
 
 /// Buffers of nanoGPT state dicts that are not parameters (causal masks), ignored on
 /// import.
-fn is_buffer(name: &str) -> bool {
+pub(crate) fn is_buffer(name: &str) -> bool {
     name.ends_with(".attn.bias") || name.ends_with(".attn.masked_bias")
 }
 

@@ -22,6 +22,7 @@ use std::collections::HashMap;
 use candle_core::Tensor;
 use serde_json::{json, Value};
 
+use crate::gpt::{is_buffer, LM_HEAD};
 use crate::{GptConfig, ModelError, LN_EPS};
 
 /// The weights whose layout is `[in, out]` in GPT-2's `Conv1D`.
@@ -31,7 +32,6 @@ const CONV1D: [&str; 4] = [
     ".mlp.c_fc.weight",
     ".mlp.c_proj.weight",
 ];
-const LM_HEAD: &str = "lm_head.weight";
 /// GPT-2's `<|endoftext|>` token id.
 const GPT2_EOT: usize = 50256;
 
@@ -162,7 +162,7 @@ pub fn from_hf(
     let mut params = HashMap::with_capacity(tensors.len());
     for (name, t) in tensors {
         // Causal-mask buffers of older transformers versions are not parameters.
-        if name.ends_with(".attn.bias") || name.ends_with(".attn.masked_bias") {
+        if is_buffer(&name) {
             continue;
         }
         let name = match name.starts_with("transformer.") || name == LM_HEAD {

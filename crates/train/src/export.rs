@@ -107,17 +107,31 @@ pub fn verify(path: &Path, bytes: &[u8]) -> Result<Integrity> {
     Ok(Integrity::Checksum)
 }
 
-/// Checks, before any work, that an export may be written to `out`: not a directory,
-/// not an existing file unless `force`, in an existing directory, and not inside
-/// `source` (the checkpoint or file being exported).
-pub fn check_destination(out: &Path, force: bool, source: Option<&Path>) -> Result<()> {
-    if out.is_dir() {
-        fail!(
+/// What an export writes at `--out`: one file, or a directory of files.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Dest {
+    File,
+    Dir,
+}
+
+/// Checks, before any work, that an export may be written to `out`: a directory for a
+/// file or a file for a directory is refused, an existing `out` unless `force`; its
+/// parent directory must exist, and `out` must not be inside `source` (the checkpoint
+/// or file being exported).
+pub fn check_destination(out: &Path, force: bool, source: Option<&Path>, dest: Dest) -> Result<()> {
+    match dest {
+        Dest::File if out.is_dir() => fail!(
             Weights,
             "--out {} is a directory: give the path of a file, such as {}",
             out.display(),
             out.join("model.safetensors").display()
-        );
+        ),
+        Dest::Dir if out.is_file() => fail!(
+            Weights,
+            "--out {} is a file: this format is a directory",
+            out.display()
+        ),
+        _ => {}
     }
     if out.exists() && !force {
         fail!(
@@ -126,9 +140,7 @@ pub fn check_destination(out: &Path, force: bool, source: Option<&Path>) -> Resu
             out.display()
         );
     }
-    let name = out
-        .file_name()
-        .ok_or_else(|| err!(Weights, "{} does not name a file", out.display()))?;
+    let name = file_name(out, dest)?;
     let parent = match out.parent() {
         Some(p) if !p.as_os_str().is_empty() => p,
         _ => Path::new("."),
@@ -157,41 +169,48 @@ pub fn check_destination(out: &Path, force: bool, source: Option<&Path>) -> Resu
     Ok(())
 }
 
-/// Writes a directory of `files` (name, bytes) at `out`: into a fresh directory beside it
-/// (`.NAME.tmp-PID-N`), each file synced, then renamed onto `out`. An existing `out`
-/// (a directory this function wrote, or any directory) is refused unless `force`; with
-/// `force` it is moved aside first and removed only once the new one is in place. A
-/// file at `out` is always refused.
-pub fn write_dir(out: &Path, files: &[(&str, &[u8])], force: bool) -> Result<()> {
-    if out.is_file() {
-        fail!(
-            Weights,
-            "--out {} is a file: this format is a directory",
-            out.display()
-        );
-    }
-    if out.exists() && !force {
-        fail!(
-            Weights,
-            "--out {} already exists: pass --force to replace it",
-            out.display()
-        );
-    }
-    let name = out
+fn file_name(out: &Path, dest: Dest) -> Result<String> {
+    let what = match dest {
+        Dest::File => "file",
+        Dest::Dir => "directory",
+    };
+    Ok(out
         .file_name()
-        .ok_or_else(|| err!(Weights, "{} does not name a directory", out.display()))?
+        .ok_or_else(|| err!(Weights, "{} does not name a {what}", out.display()))?
         .to_string_lossy()
-        .into_owned();
+        .into_owned())
+}
+
+/// Creates `.NAME.WHAT-PID-N` next to `out` with `create` (which must fail with
+/// `AlreadyExists` on an existing path: `create_new` for a file, `create_dir` for a
+/// directory), for the first `N` that is free: never a path something else named.
+fn create_sibling<T>(
+    out: &Path,
+    dest: Dest,
+    what: &str,
+    create: impl Fn(&Path) -> std::io::Result<T>,
+) -> Result<(PathBuf, T)> {
     static NEXT: AtomicUsize = AtomicUsize::new(0);
-    let fresh = |what: &str| loop {
+    let name = file_name(out, dest)?;
+    loop {
         let n = NEXT.fetch_add(1, Ordering::Relaxed);
         let p = out.with_file_name(format!(".{name}.{what}-{}-{n}", std::process::id()));
-        if !p.exists() {
-            break p;
+        match create(&p) {
+            Ok(t) => return Ok((p, t)),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
+            Err(e) => return Err(e).with_context(|| format!("cannot create {}", p.display())),
         }
-    };
-    let staging = fresh("tmp");
-    fs::create_dir(&staging).with_context(|| format!("cannot create {}", staging.display()))?;
+    }
+}
+
+/// Writes a directory of `files` (name, bytes) at `out`: into a fresh directory beside it
+/// (`.NAME.tmp-PID-N`), each file synced, then renamed onto `out`. An existing `out` is
+/// refused unless `force`; with `force` it is moved aside first, put back if the new one
+/// cannot take its place, and removed only once the new one is in place. A file at `out`
+/// is always refused.
+pub fn write_dir(out: &Path, files: &[(&str, &[u8])], force: bool) -> Result<()> {
+    check_destination(out, force, None, Dest::Dir)?;
+    let (staging, ()) = create_sibling(out, Dest::Dir, "tmp", |p| fs::create_dir(p))?;
     let written = (|| -> Result<()> {
         for (file, bytes) in files {
             let p = staging.join(file);
@@ -201,22 +220,24 @@ pub fn write_dir(out: &Path, files: &[(&str, &[u8])], force: bool) -> Result<()>
                 .and_then(|_| f.sync_all())
                 .with_context(|| format!("cannot write {}", p.display()))?;
         }
-        if out.exists() {
-            let old = fresh("old");
-            fs::rename(out, &old)
-                .with_context(|| format!("cannot move {} aside", out.display()))?;
-            if let Err(e) = fs::rename(&staging, out) {
-                // Put the old directory back: nothing is lost.
-                let _ = fs::rename(&old, out);
-                return Err(e).with_context(|| {
-                    format!("cannot rename {} to {}", staging.display(), out.display())
-                });
-            }
-            let _ = fs::remove_dir_all(&old);
-            return Ok(());
+        let rename = || {
+            fs::rename(&staging, out).with_context(|| {
+                format!("cannot rename {} to {}", staging.display(), out.display())
+            })
+        };
+        if !out.exists() {
+            return rename();
         }
-        fs::rename(&staging, out)
-            .with_context(|| format!("cannot rename {} to {}", staging.display(), out.display()))
+        // An empty directory of a fresh name, which the rename replaces.
+        let (old, ()) = create_sibling(out, Dest::Dir, "old", |p| fs::create_dir(p))?;
+        fs::rename(out, &old).with_context(|| format!("cannot move {} aside", out.display()))?;
+        if let Err(e) = rename() {
+            // Put the old directory back: nothing is lost.
+            let _ = fs::rename(&old, out);
+            return Err(e);
+        }
+        let _ = fs::remove_dir_all(&old);
+        Ok(())
     })();
     if written.is_err() {
         let _ = fs::remove_dir_all(&staging);
@@ -227,7 +248,7 @@ pub fn write_dir(out: &Path, files: &[(&str, &[u8])], force: bool) -> Result<()>
 /// Writes `bytes` to `out` through a unique temporary file in the same directory,
 /// synced, then renamed (see the module docs). Refuses an existing `out` unless `force`.
 pub fn write_file(out: &Path, bytes: &[u8], force: bool) -> Result<()> {
-    check_destination(out, force, None)?;
+    check_destination(out, force, None, Dest::File)?;
     let (tmp, mut f) = create_temp(out)?;
     let written = (|| -> Result<()> {
         f.write_all(bytes)
@@ -236,7 +257,7 @@ pub fn write_file(out: &Path, bytes: &[u8], force: bool) -> Result<()> {
         drop(f);
         // Checked again just before the rename, so that an --out created meanwhile is
         // not replaced without --force.
-        check_destination(out, force, None)?;
+        check_destination(out, force, None, Dest::File)?;
         fs::rename(&tmp, out)
             .with_context(|| format!("cannot rename {} to {}", tmp.display(), out.display()))
     })();
@@ -256,25 +277,9 @@ pub fn write_file(out: &Path, bytes: &[u8], force: bool) -> Result<()> {
 /// Creates `.NAME.tmp-PID-N` next to `out`, for the first `N` whose file does not exist:
 /// never a file that something else named (such as `NAME.tmp`).
 pub(crate) fn create_temp(out: &Path) -> Result<(PathBuf, fs::File)> {
-    static NEXT: AtomicUsize = AtomicUsize::new(0);
-    let name = out
-        .file_name()
-        .ok_or_else(|| err!(Weights, "{} does not name a file", out.display()))?
-        .to_string_lossy()
-        .into_owned();
-    loop {
-        let n = NEXT.fetch_add(1, Ordering::Relaxed);
-        let tmp = out.with_file_name(format!(".{name}.tmp-{}-{n}", std::process::id()));
-        match fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .open(&tmp)
-        {
-            Ok(f) => return Ok((tmp, f)),
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
-            Err(e) => return Err(e).with_context(|| format!("cannot create {}", tmp.display())),
-        }
-    }
+    create_sibling(out, Dest::File, "tmp", |p| {
+        fs::OpenOptions::new().write(true).create_new(true).open(p)
+    })
 }
 
 #[cfg(test)]
@@ -344,15 +349,20 @@ mod tests {
             ckpt.join("step-00000001").join("m.safetensors"),
             ckpt.join("step-00000001").join("..").join("m.safetensors"),
         ] {
-            let e = check_destination(&out, true, Some(&ckpt))
+            let e = check_destination(&out, true, Some(&ckpt), Dest::File)
                 .unwrap_err()
                 .to_string();
             assert!(e.contains("the checkpoint being exported"), "{e}");
         }
-        check_destination(&dir.join("m.safetensors"), false, Some(&ckpt)).unwrap();
-        let e = check_destination(&dir.join("no").join("m.safetensors"), false, None)
-            .unwrap_err()
-            .to_string();
+        check_destination(&dir.join("m.safetensors"), false, Some(&ckpt), Dest::File).unwrap();
+        let e = check_destination(
+            &dir.join("no").join("m.safetensors"),
+            false,
+            None,
+            Dest::File,
+        )
+        .unwrap_err()
+        .to_string();
         assert!(e.contains("the directory of --out"), "{e}");
     }
 

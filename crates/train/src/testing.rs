@@ -39,6 +39,30 @@ use switchyard_shard::{single_device, ParamSource, ParamStore};
 use crate::data::Dataset;
 use crate::{TrainConfig, Worker};
 
+/// The layouts `(dp, pp, tp)` the parity suites run, every one of them on at most 8
+/// workers: each axis alone, each pair, and all three.
+pub const LAYOUTS: [(usize, usize, usize); 10] = [
+    (1, 1, 1),
+    (1, 2, 1),
+    (1, 4, 1),
+    (1, 1, 2),
+    (1, 1, 4),
+    (2, 1, 1),
+    (1, 2, 2),
+    (2, 2, 1),
+    (2, 1, 2),
+    (2, 2, 2),
+];
+
+/// The schedules that apply to `pp` pipeline ranks: every generated one, or only 1F1B
+/// when there is no pipeline (they are all the same there).
+pub fn schedules(pp: usize) -> &'static [&'static str] {
+    match pp {
+        1 => &["1f1b"],
+        _ => &["gpipe", "1f1b", "interleaved", "zb-h1"],
+    }
+}
+
 /// One step's outcome on a whole job.
 #[derive(Debug, Clone)]
 pub struct StepOutcome {

@@ -23,7 +23,7 @@ use switchyard_shard::{single_device, ParamSource, ParamStore};
 
 use crate::checkpoint::Checkpoint;
 use crate::data::Dataset;
-pub use crate::export::{check_destination, Integrity};
+pub use crate::export::{check_destination, Dest, Integrity};
 use crate::export::{checksum, verify, write_dir, write_file, CHECKSUM_KEY};
 
 pub const EXPORT_FORMAT: &str = "switchyard-export/1";
@@ -35,6 +35,54 @@ pub const HF_WEIGHTS: &str = "model.safetensors";
 /// `model.safetensors`.
 pub fn is_hf_dir(path: &Path) -> bool {
     path.join(HF_CONFIG).is_file() && path.join(HF_WEIGHTS).is_file()
+}
+
+/// The `config.json` of a Hugging Face directory, as JSON.
+pub fn read_hf_config(dir: &Path) -> Result<serde_json::Value> {
+    let path = dir.join(HF_CONFIG);
+    let text = std::fs::read(&path).with_context(|| format!("cannot read {}", path.display()))?;
+    serde_json::from_slice(&text).map_err(|e| err!(Weights, "{} is not JSON: {e}", path.display()))
+}
+
+/// `tensors` as a safetensors file with `meta` and the checksum of the tensors
+/// (`crate::export`) as metadata.
+fn serialize<const N: usize>(
+    tensors: &[(String, Tensor)],
+    meta: [(&str, String); N],
+) -> Result<Vec<u8>> {
+    let views: Vec<(&str, &Tensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let mut meta: HashMap<String, String> =
+        meta.into_iter().map(|(k, v)| (k.to_string(), v)).collect();
+    meta.insert(CHECKSUM_KEY.to_string(), checksum(&views));
+    safetensors::serialize(views, Some(meta))
+        .map_err(|e| err!(Weights, "cannot serialise the weights: {e}"))
+}
+
+/// A safetensors file: how its checksum checked, its metadata, and its tensors in f32.
+#[allow(clippy::type_complexity)]
+fn read_safetensors(
+    path: &Path,
+) -> Result<(
+    Integrity,
+    Option<HashMap<String, String>>,
+    HashMap<String, Tensor>,
+)> {
+    let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let integrity = verify(path, &bytes)?;
+    let bad = |e: &dyn std::fmt::Display| {
+        err!(
+            Weights,
+            "{} is not a readable safetensors file: {e}",
+            path.display()
+        )
+    };
+    let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).map_err(|e| bad(&e))?;
+    let mut tensors =
+        candle_core::safetensors::load_buffer(&bytes, &Device::Cpu).map_err(|e| bad(&e))?;
+    for t in tensors.values_mut() {
+        *t = t.to_dtype(DType::F32)?;
+    }
+    Ok((integrity, meta.metadata().clone(), tensors))
 }
 
 /// The metadata key of the model's kind ([`Model::NAME`]) in an export.
@@ -73,23 +121,8 @@ impl<M: Model> Weights<M> {
                 integrity: Integrity::Checkpoint,
             });
         }
-        let bytes =
-            std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
-        let integrity = verify(path, &bytes)?;
-        let bad = |e: &dyn std::fmt::Display| {
-            err!(
-                Weights,
-                "{} is not a readable safetensors file: {e}",
-                path.display()
-            )
-        };
-        let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).map_err(|e| bad(&e))?;
-        let mut tensors =
-            candle_core::safetensors::load_buffer(&bytes, &Device::Cpu).map_err(|e| bad(&e))?;
-        for t in tensors.values_mut() {
-            *t = t.to_dtype(DType::F32)?;
-        }
-        let meta = meta.metadata().as_ref();
+        let (integrity, meta, tensors) = read_safetensors(path)?;
+        let meta = meta.as_ref();
         if let Some(kind) = meta.and_then(|m| m.get(MODEL_KEY)) {
             if kind != M::NAME {
                 fail!(
@@ -118,50 +151,36 @@ impl<M: Model> Weights<M> {
             ),
                 _ => config,
             };
-        let w = Weights {
+        Weights {
             config,
             tensors,
             integrity,
-        };
-        w.check()
-            .map_err(|e| err!(Weights, "{}: {e}", path.display()))?;
-        Ok(w)
+        }
+        .checked(path)
     }
 
     /// A Hugging Face `transformers` directory (`config.json` beside
     /// `model.safetensors`, as `save_pretrained` writes it), read by [`Model::hf_import`].
     fn load_hf(dir: &Path, hint: &M) -> Result<Weights<M>> {
-        let config_path = dir.join(HF_CONFIG);
-        let text = std::fs::read(&config_path)
-            .with_context(|| format!("cannot read {}", config_path.display()))?;
-        let json: serde_json::Value = serde_json::from_slice(&text)
-            .map_err(|e| err!(Weights, "{} is not JSON: {e}", config_path.display()))?;
-        let file = dir.join(HF_WEIGHTS);
-        let bytes =
-            std::fs::read(&file).with_context(|| format!("cannot read {}", file.display()))?;
-        let integrity = verify(&file, &bytes)?;
-        let mut tensors =
-            candle_core::safetensors::load_buffer(&bytes, &Device::Cpu).map_err(|e| {
-                err!(
-                    Weights,
-                    "{} is not a readable safetensors file: {e}",
-                    file.display()
-                )
-            })?;
-        for t in tensors.values_mut() {
-            *t = t.to_dtype(DType::F32)?;
-        }
+        let json = read_hf_config(dir)?;
+        let (integrity, _, tensors) = read_safetensors(&dir.join(HF_WEIGHTS))?;
         let (config, tensors) = hint
             .hf_import(&json, tensors)
             .map_err(|e| err!(Weights, "{}: {e}", dir.display()))?;
-        let w = Weights {
+        Weights {
             config,
             tensors,
             integrity,
-        };
-        w.check()
-            .map_err(|e| err!(Weights, "{}: {e}", dir.display()))?;
-        Ok(w)
+        }
+        .checked(dir)
+    }
+
+    /// `self` if its tensors are the config's parameters ([`Weights::check`]), else the
+    /// mismatch, naming `path`.
+    fn checked(self, path: &Path) -> Result<Weights<M>> {
+        self.check()
+            .map_err(|e| err!(Weights, "{}: {e}", path.display()))?;
+        Ok(self)
     }
 
     /// Writes a Hugging Face `transformers` directory ([`Model::hf_export`]): `config.json`,
@@ -169,21 +188,21 @@ impl<M: Model> Weights<M> {
     /// and a checksum of the tensors) and `extra` files (such as a `tokenizer.json`).
     /// The directory is written beside `out` and renamed into place; an existing `out`
     /// is replaced only when `force`.
-    pub fn export_hf(&self, out: &Path, extra: &[(&str, Vec<u8>)], force: bool) -> Result<()> {
+    pub fn export_hf(&self, out: &Path, extra: &[(&str, Vec<u8>)], force: bool) -> Result<usize> {
         let (config, tensors) = self.config.hf_export(&self.tensors)?;
-        let views: Vec<(&str, &Tensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
-        let meta = HashMap::from([
-            ("format".to_string(), "pt".to_string()),
-            (MODEL_KEY.to_string(), M::NAME.to_string()),
-            (CHECKSUM_KEY.to_string(), checksum(&views)),
-        ]);
-        let weights = safetensors::serialize(views, Some(meta))
-            .map_err(|e| err!(Weights, "cannot serialise the weights: {e}"))?;
+        let weights = serialize(
+            &tensors,
+            [
+                ("format", "pt".to_string()),
+                (MODEL_KEY, M::NAME.to_string()),
+            ],
+        )?;
         let mut config = serde_json::to_vec_pretty(&config)?;
         config.push(b'\n');
         let mut files: Vec<(&str, &[u8])> = vec![(HF_CONFIG, &config), (HF_WEIGHTS, &weights)];
         files.extend(extra.iter().map(|(n, b)| (*n, b.as_slice())));
-        write_dir(out, &files, force)
+        write_dir(out, &files, force)?;
+        Ok(tensors.len())
     }
 
     /// Checks the names and shapes against the config.
@@ -249,23 +268,23 @@ impl<M: Model> Weights<M> {
     /// its config and the checksum of the tensors as metadata. Refuses an existing
     /// `out`: see [`Weights::export_to`].
     pub fn export(&self, out: &Path) -> Result<()> {
-        self.export_to(out, false)
+        self.export_to(out, false).map(|_| ())
     }
 
     /// [`Weights::export`], replacing an existing file at `out` when `force`. The file is
     /// written through a unique temporary file next to it (`crate::export`'s docs).
-    pub fn export_to(&self, out: &Path, force: bool) -> Result<()> {
-        let map = self.export_tensors()?;
-        let views: Vec<(&str, &Tensor)> = map.iter().map(|(k, v)| (k.as_str(), v)).collect();
-        let meta = HashMap::from([
-            ("format".to_string(), EXPORT_FORMAT.to_string()),
-            (MODEL_KEY.to_string(), M::NAME.to_string()),
-            ("config".to_string(), serde_json::to_string(&self.config)?),
-            (CHECKSUM_KEY.to_string(), checksum(&views)),
-        ]);
-        let bytes = safetensors::serialize(views, Some(meta))
-            .map_err(|e| err!(Weights, "cannot serialise the weights: {e}"))?;
-        write_file(out, &bytes, force)
+    pub fn export_to(&self, out: &Path, force: bool) -> Result<usize> {
+        let tensors = self.export_tensors()?;
+        let bytes = serialize(
+            &tensors,
+            [
+                ("format", EXPORT_FORMAT.to_string()),
+                (MODEL_KEY, M::NAME.to_string()),
+                ("config", serde_json::to_string(&self.config)?),
+            ],
+        )?;
+        write_file(out, &bytes, force)?;
+        Ok(tensors.len())
     }
 
     /// The whole model as one stage on this thread (no parallelism).

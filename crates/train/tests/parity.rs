@@ -16,29 +16,8 @@ mod common;
 use common::*;
 use switchyard_models::GptConfig;
 use switchyard_train::data::Corpus;
+use switchyard_train::testing::{schedules, LAYOUTS};
 use switchyard_train::{train, TrainConfig, TrainOptions};
-
-const LAYOUTS: [(usize, usize, usize); 10] = [
-    (1, 1, 1),
-    (1, 2, 1),
-    (1, 4, 1),
-    (1, 1, 2),
-    (1, 1, 4),
-    (2, 1, 1),
-    (1, 2, 2),
-    (2, 2, 1),
-    (2, 1, 2),
-    (2, 2, 2),
-];
-
-/// The schedules that apply to `pp` ranks.
-fn schedules(pp: usize) -> Vec<&'static str> {
-    if pp == 1 {
-        vec!["1f1b"]
-    } else {
-        vec!["gpipe", "1f1b", "interleaved", "zb-h1"]
-    }
-}
 
 #[test]
 fn one_step_loss_and_gradients_match_the_reference() {

@@ -9,22 +9,10 @@ use candle_core::{Tensor, Var};
 use switchyard_models::MlpConfig;
 use switchyard_train::data::{Corpus, Dataset, Sampler};
 use switchyard_train::testing::{
-    check_step_parity, compare_steps, initial_weights, parallel_step, StepOutcome,
+    check_step_parity, compare_steps, initial_weights, parallel_step, schedules, StepOutcome,
+    LAYOUTS,
 };
 use switchyard_train::TrainConfig;
-
-const LAYOUTS: [(usize, usize, usize); 10] = [
-    (1, 1, 1),
-    (1, 2, 1),
-    (1, 4, 1),
-    (1, 1, 2),
-    (1, 1, 4),
-    (2, 1, 1),
-    (1, 2, 2),
-    (2, 2, 1),
-    (2, 1, 2),
-    (2, 2, 2),
-];
 
 fn tiny(dp: usize, pp: usize, tp: usize, schedule: &str) -> TrainConfig<MlpConfig> {
     TrainConfig {
@@ -111,11 +99,7 @@ fn the_serial_step_is_the_plain_candle_step() {
 #[test]
 fn every_layout_and_schedule_matches_the_serial_step() {
     for (dp, pp, tp) in LAYOUTS {
-        let schedules: &[&str] = match pp {
-            1 => &["1f1b"],
-            _ => &["gpipe", "1f1b", "interleaved", "zb-h1"],
-        };
-        for s in schedules {
+        for s in schedules(pp) {
             let cfg = tiny(dp, pp, tp, s);
             check_step_parity(&cfg, &tiny(dp, 1, 1, "1f1b"), &Corpus::bundled(), 1e-5)
                 .unwrap_or_else(|e| panic!("{e}"));

@@ -159,3 +159,13 @@ pub fn check(
         }
     }
 }
+
+/// An input of `shape` with seeded values of magnitude up to `scale`.
+pub fn input(name: &'static str, shape: &[usize], seed: u64, scale: f64) -> Input {
+    let n = shape.iter().product();
+    Input {
+        name,
+        values: Rng::new(seed).vec(n, scale),
+        shape: shape.to_vec(),
+    }
+}

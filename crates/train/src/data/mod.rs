@@ -33,108 +33,21 @@ use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use candle_core::{Device, Result, Tensor};
+use candle_core::{Result, Tensor};
 
+mod sampler;
+mod source;
 pub mod tokenizer;
 mod tokens;
 
+pub use sampler::Sampler;
+use source::{for_chunks, Fnv, Slice};
+pub use source::{Bytes, TokenSource};
 pub use tokens::{TokenFile, TokenWidth};
 
 /// The bundled corpus: Genesis to Ruth, King James Version (public domain);
 /// see `crates/train/data/README.md`.
 pub const BUNDLED: &[u8] = include_bytes!("../../data/kjv-genesis-ruth.txt");
-
-/// A sequence of token ids, readable at any offset. Implement it to bring a data format
-/// of your own; wrap it in a [`Corpus`] with [`Corpus::new`].
-pub trait TokenSource: Send + Sync {
-    /// Tokens in all.
-    fn len(&self) -> usize;
-
-    /// Copies tokens `[start, start + out.len())` into `out`; the range is within `len`.
-    fn read(&self, start: usize, out: &mut [u32]);
-
-    fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// Identifies the content (resuming checks it). By default FNV-1a 64 over each
-    /// token's four little-endian bytes.
-    fn fingerprint(&self) -> u64 {
-        let mut h = Fnv::default();
-        for_chunks(self, 0..self.len(), |c| {
-            for &t in c {
-                h.write(&t.to_le_bytes());
-            }
-        });
-        h.0
-    }
-}
-
-/// Calls `f` on the tokens of `range` in chunks of at most 1 Mi tokens.
-fn for_chunks(src: &(impl TokenSource + ?Sized), range: Range<usize>, mut f: impl FnMut(&[u32])) {
-    let mut buf = vec![0u32; range.len().min(1 << 20)];
-    let mut at = range.start;
-    while at < range.end {
-        let n = buf.len().min(range.end - at);
-        src.read(at, &mut buf[..n]);
-        f(&buf[..n]);
-        at += n;
-    }
-}
-
-/// FNV-1a 64, streaming.
-struct Fnv(u64);
-
-impl Default for Fnv {
-    fn default() -> Self {
-        Fnv(0xcbf2_9ce4_8422_2325)
-    }
-}
-
-impl Fnv {
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = (self.0 ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3);
-        }
-    }
-}
-
-/// The bytes of a text: token `i` is byte `i` (vocabulary 256).
-pub struct Bytes(Arc<[u8]>);
-
-impl TokenSource for Bytes {
-    fn len(&self) -> usize {
-        self.0.len()
-    }
-    fn read(&self, start: usize, out: &mut [u32]) {
-        let n = out.len();
-        for (o, &b) in out.iter_mut().zip(&self.0[start..start + n]) {
-            *o = u32::from(b);
-        }
-    }
-    /// FNV-1a 64 of the bytes (what checkpoints recorded before token files existed).
-    fn fingerprint(&self) -> u64 {
-        let mut h = Fnv::default();
-        h.write(&self.0);
-        h.0
-    }
-}
-
-/// Tokens `[start, start + len)` of another source.
-struct Slice {
-    src: Arc<dyn TokenSource>,
-    start: usize,
-    len: usize,
-}
-
-impl TokenSource for Slice {
-    fn len(&self) -> usize {
-        self.len
-    }
-    fn read(&self, start: usize, out: &mut [u32]) {
-        self.src.read(self.start + start, out)
-    }
-}
 
 /// One split of a [`Dataset`]: a source, what to call it in messages, and its largest
 /// token id with the offset where it first occurs.
@@ -172,86 +85,6 @@ impl Split {
 
     pub fn is_empty(&self) -> bool {
         self.source.is_empty()
-    }
-}
-
-/// How batches are drawn: everything but the data. See the module docs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Sampler {
-    pub seed: u64,
-    pub seq_len: usize,
-    /// Sequences per step, over all data-parallel replicas.
-    pub batch: usize,
-    pub shuffle: bool,
-}
-
-impl Sampler {
-    /// The sampler of a run.
-    pub fn of<M>(cfg: &crate::TrainConfig<M>) -> Sampler {
-        Sampler {
-            seed: cfg.seed,
-            seq_len: cfg.seq_len,
-            batch: cfg.batch,
-            shuffle: cfg.shuffle,
-        }
-    }
-
-    /// The validation batches of a run: sequential windows.
-    pub fn validation<M>(cfg: &crate::TrainConfig<M>) -> Sampler {
-        Sampler {
-            shuffle: false,
-            ..Sampler::of(cfg)
-        }
-    }
-
-    /// The first token of row `i` of step `step` in a source of `len` tokens
-    /// (`len ≥ seq_len + 1`).
-    pub fn start(&self, len: usize, step: usize, i: usize) -> usize {
-        let w = self.seq_len + 1;
-        if self.shuffle {
-            let span = (len - self.seq_len) as u64;
-            let h = mix(mix(mix(self.seed) ^ step as u64) ^ i as u64);
-            (h % span) as usize
-        } else {
-            let n = (len / w) as u128;
-            let k = step as u128 * self.batch as u128 + i as u128;
-            (k % n) as usize * w
-        }
-    }
-
-    /// Rows `rows` of step `step` from `src`: inputs and targets, each `rows.len() ×
-    /// seq_len` ids, row-major.
-    pub fn rows(
-        &self,
-        src: &dyn TokenSource,
-        step: usize,
-        rows: Range<usize>,
-    ) -> (Vec<u32>, Vec<u32>) {
-        let (l, n) = (self.seq_len, rows.len());
-        let mut x = Vec::with_capacity(n * l);
-        let mut y = Vec::with_capacity(n * l);
-        let mut w = vec![0u32; l + 1];
-        for i in rows {
-            src.read(self.start(src.len(), step, i), &mut w);
-            x.extend_from_slice(&w[..l]);
-            y.extend_from_slice(&w[1..]);
-        }
-        (x, y)
-    }
-
-    /// [`Sampler::rows`] as `[n, seq_len]` u32 tensors.
-    pub fn tensors(
-        &self,
-        src: &dyn TokenSource,
-        step: usize,
-        rows: Range<usize>,
-    ) -> Result<(Tensor, Tensor)> {
-        let n = rows.len();
-        let (x, y) = self.rows(src, step, rows);
-        Ok((
-            Tensor::from_vec(x, (n, self.seq_len), &Device::Cpu)?,
-            Tensor::from_vec(y, (n, self.seq_len), &Device::Cpu)?,
-        ))
     }
 }
 
@@ -601,16 +434,9 @@ fn open_token_file(
     ))
 }
 
-/// SplitMix64's mixer.
-fn mix(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
-}
-
 #[cfg(test)]
 mod tests {
+    use super::sampler::mix;
     use super::*;
 
     fn sampler(seed: u64, seq_len: usize) -> Sampler {

@@ -4,11 +4,17 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use switchyard_comm::MeshShape;
 use switchyard_models::{plan_stages, Model, SplitSpec};
-use switchyard_schedule::{generate, lower, validate, Program, ScheduleChoice, ScheduleKind};
+use switchyard_schedule::{ScheduleChoice, ScheduleKind};
 
 use crate::device::DeviceSpec;
 use crate::error::{err, TrainError};
 use crate::optim::{AdamWConfig, Decay};
+
+mod machine;
+mod schedule;
+
+use machine::{human_bytes, THREAD_LIMIT_WHY};
+pub use machine::{memory_info, thread_limit, MemoryInfo, BYTES_PER_PARAM};
 
 /// Everything a run needs, for a model whose config is `M` (a [`Model`]).
 /// `switchyard train` builds it from flags and `--config`.
@@ -125,103 +131,6 @@ impl<M> TrainConfig<M> {
     /// layout whose product overflows).
     pub fn world_size(&self) -> usize {
         self.dp.saturating_mul(self.pp).saturating_mul(self.tp)
-    }
-
-    /// The lowered, validated schedule program of one pipeline (all `pp` ranks).
-    pub fn program(&self) -> Result<Program, TrainError> {
-        let program = if let ScheduleChoice::File(path) = &self.schedule {
-            let p = Program::load_csv(path).map_err(|e| {
-                TrainError::Config(match e {
-                    switchyard_schedule::ScheduleError::Io { source, .. } => format!(
-                        "--schedule {}: cannot read the schedule file: {source} (--schedule takes \
-                     gpipe, 1f1b, interleaved, zb-h1 or the path of a CSV schedule)",
-                        self.schedule
-                    ),
-                    e => e.to_string(),
-                })
-            })?;
-            let what = format!("the schedule {}", self.schedule);
-            if p.num_ranks() != self.pp {
-                return Err(err!(
-                    Config,
-                    "{what} has {} ranks but --pp is {}",
-                    p.num_ranks(),
-                    self.pp
-                ));
-            }
-            if p.num_microbatches as usize != self.microbatches {
-                return Err(err!(
-                    Config,
-                    "{what} has {} microbatches but --microbatches is {}",
-                    p.num_microbatches,
-                    self.microbatches
-                ));
-            }
-            if p.num_stages as usize != self.num_stages() {
-                let stages = p.num_stages as usize;
-                return Err(if stages.is_multiple_of(self.pp) {
-                    err!(
-                        Config,
-                        "{what} has {stages} stages on {} ranks: pass --virtual-stages {}",
-                        self.pp,
-                        stages / self.pp
-                    )
-                } else {
-                    err!(
-                        Config,
-                        "{what} has {stages} stages on {} ranks: every rank must run the same \
-                         number of stages, so a schedule for --pp {} needs a multiple of {} stages",
-                        self.pp,
-                        self.pp,
-                        self.pp
-                    )
-                });
-            }
-            p
-        } else {
-            generate(self.schedule_kind()?, self.pp, self.microbatches)?
-        };
-        let program = match program.is_lowered() || program.num_ranks() == 1 {
-            true => program,
-            false => lower(&program)?,
-        };
-        validate(&program).map_err(|e| err!(Config, "invalid schedule: {e}"))?;
-        Ok(program)
-    }
-
-    /// The schedule kind to generate, with `virtual_stages` for interleaving (an error
-    /// for a CSV file, which is loaded instead).
-    ///
-    /// `virtual_stages` is the one count of model chunks: `interleaved:V` in the schedule
-    /// must agree with it (plain `interleaved`, which reads as `interleaved:2`, takes it).
-    pub fn schedule_kind(&self) -> Result<ScheduleKind, TrainError> {
-        match self.schedule {
-            ScheduleChoice::File(_) => Err(err!(
-                Config,
-                "the schedule {} is a file, not a kind to generate",
-                self.schedule
-            )),
-            ScheduleChoice::Named(ScheduleKind::Interleaved { virtual_stages: v }) => {
-                if v != 2 && v != self.virtual_stages {
-                    return Err(err!(
-                        Config,
-                        "--schedule {} asks for {v} virtual stages but --virtual-stages is {}: \
-                         give the count once, with --virtual-stages",
-                        self.schedule,
-                        self.virtual_stages
-                    ));
-                }
-                Ok(ScheduleKind::Interleaved {
-                    virtual_stages: self.virtual_stages,
-                })
-            }
-            ScheduleChoice::Named(kind) if self.virtual_stages != 1 => Err(err!(
-                Config,
-                "--virtual-stages {} only applies to the interleaved schedule, not {kind}",
-                self.virtual_stages
-            )),
-            ScheduleChoice::Named(kind) => Ok(kind),
-        }
     }
 
     /// Pipeline stages in all: `pp × virtual stages`.
@@ -458,79 +367,7 @@ impl<M: Model> TrainConfig<M> {
              got {m}: use --microbatches {up}{batch}, or --schedule 1f1b (without --virtual-stages)"
         )
     }
-
-    /// Bytes of parameters, gradients and optimizer state of one replica of the model:
-    /// [`BYTES_PER_PARAM`] per parameter. Activations come on top.
-    pub fn state_bytes(&self) -> u128 {
-        self.model.param_count() as u128 * u128::from(BYTES_PER_PARAM)
-    }
-
-    /// Checks what this machine must hold for `local_workers` of the job's workers (all
-    /// of them on threads; under MPI, this node's): their threads, and their
-    /// parameters, gradients and optimizer state in the memory available now. Returns
-    /// the compute threads per worker (`threads_per_worker`, or the cores shared out).
-    pub fn check_machine(&self, local_workers: usize) -> Result<usize, TrainError> {
-        let threads = self.check_threads(local_workers, thread_limit())?;
-        self.check_memory(local_workers, memory_info().available)?;
-        Ok(threads)
-    }
-
-    /// Refuses more than `limit` compute threads for `local_workers` workers; returns
-    /// the threads per worker.
-    pub fn check_threads(&self, local_workers: usize, limit: usize) -> Result<usize, TrainError> {
-        let threads = match self.threads_per_worker {
-            0 => switchyard_comm::threads::default_threads_per_worker(local_workers),
-            n => n,
-        };
-        let total = local_workers.saturating_mul(threads);
-        if total > limit {
-            return Err(err!(
-                Config,
-                "{local_workers} workers (--dp {} × --pp {} × --tp {}) × {threads} threads each \
-                 is {total} threads on this machine, more than {limit} ({THREAD_LIMIT_WHY}): \
-                 use fewer workers or --threads-per-worker, or spread the ranks over machines \
-                 with --backend mpi",
-                self.dp,
-                self.pp,
-                self.tp
-            ));
-        }
-        Ok(threads)
-    }
-
-    /// Refuses a run whose `local_workers` workers' parameters, gradients and optimizer
-    /// state alone exceed `available` bytes (no check when `None`).
-    pub fn check_memory(
-        &self,
-        local_workers: usize,
-        available: Option<u64>,
-    ) -> Result<(), TrainError> {
-        let Some(available) = available else {
-            return Ok(());
-        };
-        // dp replicas, each spread over pp × tp workers; this machine holds its share.
-        let world = self.world_size().max(1) as u128;
-        let need = self.state_bytes() * self.dp as u128 * local_workers as u128 / world;
-        if need > u128::from(available) {
-            return Err(err!(
-                Config,
-                "not enough memory: {:.2}M parameters × {BYTES_PER_PARAM} bytes (f32 value and \
-                 gradient, AdamW's two f64 moments) × {} replica(s) need {} for {local_workers} \
-                 workers here, before any activation, but this machine has {} available; use a \
-                 smaller model or fewer data-parallel replicas",
-                self.model.param_count() as f64 / 1e6,
-                self.dp,
-                human_bytes(need),
-                human_bytes(u128::from(available))
-            ));
-        }
-        Ok(())
-    }
 }
-
-/// Bytes each worker keeps per parameter it holds: the f32 value and gradient, and
-/// AdamW's first and second moments, which the optimizer keeps in f64.
-pub const BYTES_PER_PARAM: u64 = 4 + 4 + 8 + 8;
 
 /// The most (stage, microbatch) pairs a step's schedule may have: generating,
 /// lowering and validating a program is linear in them.
@@ -540,73 +377,18 @@ pub const MAX_SCHEDULE_PAIRS: usize = 1 << 20;
 /// not a bound.
 pub const MAX_TIMEOUT_SECS: f64 = 1e9;
 
-const THREAD_LIMIT_WHY: &str =
-    "16 per core and at least 1024: each worker is an OS thread with its own compute pool, \
-     and far more threads than cores only adds switching";
-
-/// The most compute threads one process may start: 16 per core, and at least 1024.
-pub fn thread_limit() -> usize {
-    (16 * switchyard_comm::threads::available_cores()).max(1024)
-}
-
-/// This machine's memory in bytes, from `/proc/meminfo` (Linux); `None` where it
-/// cannot be read.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct MemoryInfo {
-    /// `MemTotal`.
-    pub total: Option<u64>,
-    /// `MemAvailable`: what can be allocated without swapping.
-    pub available: Option<u64>,
-}
-
-/// Reads [`MemoryInfo`] now.
-pub fn memory_info() -> MemoryInfo {
-    std::fs::read_to_string("/proc/meminfo")
-        .map(|t| parse_meminfo(&t))
-        .unwrap_or_default()
-}
-
-fn parse_meminfo(text: &str) -> MemoryInfo {
-    let field = |name: &str| {
-        text.lines().find_map(|l| {
-            let rest = l.strip_prefix(name)?.strip_prefix(':')?;
-            let kib: u64 = rest.trim().strip_suffix("kB")?.trim().parse().ok()?;
-            kib.checked_mul(1024)
-        })
-    };
-    MemoryInfo {
-        total: field("MemTotal"),
-        available: field("MemAvailable"),
-    }
-}
-
-/// `n` bytes for people: `1.50 GiB`.
-fn human_bytes(n: u128) -> String {
-    let units = ["bytes", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
-    let mut x = n as f64;
-    let mut u = 0;
-    while x >= 1024.0 && u + 1 < units.len() {
-        x /= 1024.0;
-        u += 1;
-    }
-    match u {
-        0 => format!("{n} bytes"),
-        _ => format!("{x:.2} {}", units[u]),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     /// The trainer's checks, on the GPT.
-    type TrainConfig = super::TrainConfig<switchyard_models::GptConfig>;
+    pub(super) type TrainConfig = super::TrainConfig<switchyard_models::GptConfig>;
 
-    fn sched(text: &str) -> ScheduleChoice {
+    pub(super) fn sched(text: &str) -> ScheduleChoice {
         text.parse().unwrap()
     }
 
-    fn err(f: impl FnOnce(&mut TrainConfig)) -> String {
+    pub(super) fn err(f: impl FnOnce(&mut TrainConfig)) -> String {
         let mut c = TrainConfig::default();
         f(&mut c);
         c.validate().unwrap_err().to_string()
@@ -787,80 +569,6 @@ mod tests {
     }
 
     #[test]
-    fn threads_are_capped_and_say_why() {
-        let e = err(|c| c.threads_per_worker = 100_000);
-        assert!(
-            e.contains("--threads-per-worker 100000 is more than"),
-            "{e}"
-        );
-        let mut c = TrainConfig {
-            dp: 100_000,
-            ..TrainConfig::default()
-        };
-        let e = c
-            .check_threads(c.world_size(), 1024)
-            .unwrap_err()
-            .to_string();
-        assert!(
-            e.contains(
-                "400000 workers (--dp 100000 × --pp 2 × --tp 2) × 1 threads each is 400000 threads"
-            ),
-            "{e}"
-        );
-        assert!(e.contains("more than 1024 (16 per core"), "{e}");
-        c.dp = 1;
-        c.threads_per_worker = 300;
-        assert!(c
-            .check_threads(4, 1024)
-            .unwrap_err()
-            .to_string()
-            .contains("1200 threads"));
-        assert_eq!(c.check_threads(3, 1024).unwrap(), 300);
-        c.threads_per_worker = 0;
-        assert!(c.check_threads(4, 1024).unwrap() >= 1);
-        assert!(thread_limit() >= 1024);
-    }
-
-    #[test]
-    fn a_model_larger_than_memory_is_refused_with_the_sizes() {
-        let mut c = TrainConfig::default();
-        c.model.d_model = 16384;
-        c.model.n_layer = 96;
-        let need = c.state_bytes() * c.dp as u128;
-        // 309 B parameters × 24 bytes.
-        assert!(
-            need > 7_000_000_000_000 && need < 8_000_000_000_000,
-            "{need}"
-        );
-        let e = c.check_memory(4, Some(64 << 30)).unwrap_err().to_string();
-        assert!(e.contains("need 6.75 TiB for 4 workers here"), "{e}");
-        assert!(e.contains("this machine has 64.00 GiB available"), "{e}");
-        // The machine's share under MPI: 1 of the 4 workers.
-        let e = c.check_memory(1, Some(64 << 30)).unwrap_err().to_string();
-        assert!(e.contains("need 1.69 TiB for 1 workers"), "{e}");
-        assert!(c.check_memory(4, None).is_ok());
-        // On no machine of today does it fit in total memory either.
-        let e = c.validate().unwrap_err().to_string();
-        assert!(e.contains("the model does not fit"), "{e}");
-        let small = TrainConfig::default();
-        assert!(small.check_memory(4, Some(1 << 30)).is_ok());
-        assert!(small.check_memory(4, Some(1 << 10)).is_err());
-    }
-
-    #[test]
-    fn meminfo_is_parsed() {
-        let m = parse_meminfo(
-            "MemTotal:       16318412 kB\nMemFree: 1 kB\nMemAvailable:    8000000 kB\n",
-        );
-        assert_eq!(m.total, Some(16318412 * 1024));
-        assert_eq!(m.available, Some(8000000 * 1024));
-        let m = parse_meminfo("nothing here");
-        assert!(m.total.is_none() && m.available.is_none());
-        assert_eq!(human_bytes(1536 << 20), "1.50 GiB");
-        assert_eq!(human_bytes(12), "12 bytes");
-    }
-
-    #[test]
     fn interleaving_advice_is_accepted_as_given() {
         let base = |c: &mut TrainConfig| {
             c.schedule = sched("interleaved");
@@ -893,110 +601,5 @@ mod tests {
         base(&mut c);
         (c.microbatches, c.batch) = (4, 8);
         c.validate().unwrap();
-    }
-
-    #[test]
-    fn a_schedule_file_that_cannot_be_read_says_what_the_flag_takes() {
-        let e = err(|c| c.schedule = sched("my-schedule.txt"));
-        assert!(
-            e.starts_with("--schedule my-schedule.txt: cannot read the schedule file: "),
-            "{e}"
-        );
-        assert!(
-            e.contains("gpipe, 1f1b, interleaved, zb-h1 or the path of a CSV"),
-            "{e}"
-        );
-        // Any extension: the content is what is read as CSV.
-        let dir = std::env::temp_dir().join(format!("switchyard-ext-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("1f1b");
-        std::fs::write(&path, "0,0F0,0B0\n1,1F0,1B0\n").unwrap();
-        let mut c = TrainConfig {
-            schedule: ScheduleChoice::File(path.clone()),
-            microbatches: 1,
-            batch: 4,
-            ..TrainConfig::default()
-        };
-        c.validate().unwrap();
-        assert_eq!(c.program().unwrap().num_microbatches, 1);
-        std::fs::write(&path, "not a schedule\n").unwrap();
-        let e = c.validate().unwrap_err().to_string();
-        assert!(e.contains("the first column must be the rank index"), "{e}");
-        c.schedule = sched("1f1b");
-        c.validate().unwrap();
-        std::fs::remove_dir_all(&dir).unwrap();
-    }
-
-    #[test]
-    fn interleaved_takes_its_chunks_from_virtual_stages() {
-        let base = |c: &mut TrainConfig| {
-            c.virtual_stages = 2;
-            c.model.n_layer = 6;
-        };
-        for (text, v, ok) in [
-            ("interleaved", 2, true),
-            ("interleaved", 3, true),
-            ("interleaved:3", 3, true),
-            ("INTERLEAVED", 3, true),
-            ("interleaved:3", 2, false),
-        ] {
-            let mut c = TrainConfig::default();
-            base(&mut c);
-            c.schedule = sched(text);
-            c.virtual_stages = v;
-            match c.validate() {
-                Ok(()) => {
-                    assert!(ok, "{text} v {v}");
-                    assert_eq!(c.program().unwrap().num_stages as usize, 2 * v);
-                }
-                Err(e) => {
-                    assert!(!ok, "{text} v {v}: {e}");
-                    assert!(
-                        e.to_string().contains("--schedule interleaved:3 asks for 3 virtual stages but --virtual-stages is 2"),
-                        "{e}"
-                    );
-                }
-            }
-        }
-        let e = err(|c| c.schedule = sched("interleaved:3"));
-        assert!(e.contains("asks for 3 virtual stages"), "{e}");
-    }
-
-    #[test]
-    fn a_csv_whose_stages_do_not_share_out_says_so() {
-        let dir = std::env::temp_dir().join(format!("switchyard-config-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        // 3 stages on 2 ranks: no --virtual-stages fits.
-        let path = dir.join("three.csv");
-        std::fs::write(&path, "0,0F0,2F0,2B0,0B0\n1,1F0,1B0\n").unwrap();
-        let e = err(|c| {
-            c.schedule = ScheduleChoice::File(path.clone());
-            c.microbatches = 1;
-            c.model.n_layer = 4;
-        });
-        assert!(
-            e.contains("has 3 stages on 2 ranks: every rank must run the same number of stages"),
-            "{e}"
-        );
-        assert!(!e.contains("--virtual-stages 1"), "{e}");
-        // 4 stages on 2 ranks: the advice is accepted.
-        let path = dir.join("four.csv");
-        std::fs::write(&path, interleaved_csv()).unwrap();
-        let set = |c: &mut TrainConfig| {
-            c.schedule = ScheduleChoice::File(path.clone());
-            c.microbatches = 2;
-            c.batch = 4;
-        };
-        let e = err(set);
-        assert!(e.contains("pass --virtual-stages 2"), "{e}");
-        let mut c = TrainConfig::default();
-        set(&mut c);
-        c.virtual_stages = 2;
-        c.validate().unwrap();
-        std::fs::remove_dir_all(&dir).unwrap();
-    }
-
-    fn interleaved_csv() -> String {
-        switchyard_schedule::interleaved(2, 2, 2).unwrap().to_csv()
     }
 }
