@@ -55,6 +55,7 @@ mod config;
 pub mod data;
 mod device;
 pub mod error;
+pub mod estimate;
 pub mod export;
 pub mod optim;
 mod report;

@@ -1,0 +1,1 @@
+//! Peak memory per rank, predicted (issue 15 §2).

@@ -1,0 +1,9 @@
+//! Predictions before a run: each rank's peak memory ([`memory`]) and the step time
+//! ([`time`]) of a [`crate::TrainConfig`], from the model's arithmetic (the
+//! [`switchyard_models::Model`] trait) and the schedule's simulator, without building
+//! the model or starting a worker.
+//!
+//! Invariant: nothing here allocates a tensor or starts a thread (calibration aside).
+
+pub mod memory;
+pub mod time;

@@ -1,0 +1,1 @@
+//! Step time, predicted (issue 15 §3).
