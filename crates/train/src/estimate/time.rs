@@ -1,1 +1,601 @@
-//! Step time, predicted (issue 15 §3).
+//! Step time, predicted (issue 15 §3): the wall time of one training step of a
+//! [`TrainConfig`], from the model's FLOPs, this machine's measured rates
+//! ([`TimeModel::calibrate`]) and the schedule's simulator, without running the step.
+//!
+//! ## The formulas
+//!
+//! Notation: `T` the sequence length, `b = batch / (dp · m)` sequences per microbatch,
+//! `n = b · T` tokens per microbatch, `m` microbatches, `w` the model's width
+//! ([`Model::width`]; 0 when unknown), `c_e`, `c_ℓ`, `c_h` the training FLOPs per token of
+//! the embeddings, of layer `ℓ` and of the head ([`Model::costs`]; for the GPT,
+//! `6 · 12 · d² + 12 · T · d` a block), `t` the compute threads of a worker.
+//!
+//! * **Compute rate** of a worker: `R = r · (1 + e · (t − 1))`, `r` the FLOP/s of one
+//!   thread and `e` the measured efficiency of each further thread.
+//! * **Stage `s`**, one microbatch, forward and backward together, on each of the `tp`
+//!   ranks: `C_s = n · (Σ_{ℓ∈s} c_ℓ + [first] c_e + [last] c_h) / (tp · R) + k_s · o`,
+//!   `k_s` the parts the stage runs (its layers, plus the embeddings and the head where
+//!   it has them) and `o` a fixed overhead per part (kernel launches, graph bookkeeping:
+//!   what keeps small layers from their FLOP rate). Forward takes `φ · C_s`, backward
+//!   `(1 − φ) · C_s` (`φ` measured, about 1/3); a split backward's `I` and `W` half each.
+//! * **Tensor parallelism** (Megatron): each layer all-reduces its `n · w · 4`-byte output
+//!   twice in the forward (attention, MLP) and its input gradient twice in the backward;
+//!   the embeddings once in the forward, the head's input gradient once in the backward
+//!   and the parallel cross-entropy twice (max and sum, `n · 4` bytes) in the forward.
+//!   An all-reduce of `x` bytes over `k` ranks takes
+//!   `A_k(x) = (k − 1) · α_c + 2 · (k − 1)/k · x / β_c` (a ring's latency and volume;
+//!   `α_c`, `β_c` measured on 2 ranks, where it is `α_c + x / β_c`). These terms are added
+//!   to the stage's forward and backward times.
+//! * **Pipeline messages**: every send and every receive of the lowered program takes
+//!   `P(n · w · 4) / 2`, `P(x) = α_p + x / β_p` the measured one-way time of a message
+//!   (a send and its receive together).
+//! * **The pipeline**: [`simulate_by_stage`] runs the program with these per-stage costs;
+//!   its makespan `M` contains the compute, the tensor-parallel all-reduces, the messages
+//!   and the bubble (the idle fraction it reports).
+//! * **After the pipeline**, on the slowest rank: the data-parallel gradient all-reduce in
+//!   `⌈4 · N_r / bucket⌉` buckets, `Σ A_dp(bucket)`; the optimizer (AdamW, the gradient
+//!   norm and the clipping), `N_r · a` with `a` measured per parameter; and the world's
+//!   all-gather of the losses, one `α_c`. `N_r`, a rank's parameters, is the model's
+//!   `param_count` times the rank's share of the model's FLOPs, over `tp`.
+//!
+//! Step time `= M + max_r (A_dp + N_r · a) + α_c` (the last two only when there is more
+//! than one worker).
+//!
+//! A model whose [`Model::costs`] are relative weights rather than FLOPs (the trait's
+//! default) gets times in those units divided by the rate: meaningless. The GPT's are
+//! FLOPs.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use candle_core::{DType, Device, Tensor, Var};
+use serde::{Deserialize, Serialize};
+use switchyard_comm::{local::Launcher, threads, Communicator, ReduceOp};
+use switchyard_models::{plan_stages, GptConfig, Model, OpsBackend, SplitSpec, StagePlan};
+use switchyard_pipeline::Stage;
+use switchyard_schedule::{simulate_by_stage, Costs};
+use switchyard_shard::{single_device, ParamSource, ParamStore};
+
+use crate::error::{err, TrainError};
+use crate::optim::{AdamW, AdamWConfig};
+use crate::TrainConfig;
+
+/// A link's cost: `α + bytes / β`.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct AlphaBeta {
+    /// Latency, seconds.
+    pub alpha_s: f64,
+    /// Bandwidth, bytes per second.
+    pub bytes_per_s: f64,
+}
+
+impl AlphaBeta {
+    /// Seconds to move `bytes`.
+    pub fn time(&self, bytes: f64) -> f64 {
+        self.alpha_s + bytes / self.bytes_per_s
+    }
+
+    /// An all-reduce of `bytes` over `ranks` ranks (a ring): `(k − 1) · α + 2 · (k − 1)/k ·
+    /// bytes / β`, which is [`AlphaBeta::time`] on 2 ranks and 0 on one.
+    pub fn all_reduce(&self, bytes: f64, ranks: usize) -> f64 {
+        if ranks <= 1 {
+            return 0.0;
+        }
+        let k = ranks as f64;
+        (k - 1.0) * self.alpha_s + 2.0 * (k - 1.0) / k * bytes / self.bytes_per_s
+    }
+
+    /// The least-squares fit of `(bytes, seconds)` points; the latency is kept at 0 or
+    /// more, the bandwidth finite (1 PB/s when the times do not grow with the size).
+    pub fn fit(points: &[(f64, f64)]) -> AlphaBeta {
+        let (alpha, slope) = fit_line(points);
+        let slope = slope.max(1e-15);
+        AlphaBeta {
+            alpha_s: alpha.max(0.0),
+            bytes_per_s: 1.0 / slope,
+        }
+    }
+}
+
+/// This machine's rates: what [`predict_step_time`] divides the work by.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TimeModel {
+    /// FLOP/s of one compute thread on a layer's training FLOPs (`r`).
+    pub flops_per_s_per_thread: f64,
+    /// What each thread beyond the first adds, as a fraction of the first (`e`, 0 to 1).
+    pub thread_efficiency: f64,
+    /// The forward's share of a layer's forward and backward time (`φ`).
+    pub forward_fraction: f64,
+    /// Fixed seconds per part (a layer, the embeddings, the head) and microbatch,
+    /// forward and backward together (`o`).
+    pub overhead_per_part_s: f64,
+    /// Seconds per parameter of the step's end: gradient norm, clipping, AdamW (`a`).
+    pub optimizer_s_per_param: f64,
+    /// Pipeline messages, one way (a send and its receive).
+    pub p2p: AlphaBeta,
+    /// All-reduces on 2 ranks.
+    pub collective: AlphaBeta,
+}
+
+/// A predicted step, in seconds, with where the time goes.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StepTime {
+    /// The whole step.
+    pub seconds: f64,
+    /// The pipeline's makespan (compute, tensor-parallel all-reduces, messages, bubble).
+    pub pipeline_s: f64,
+    /// Compute of the busiest pipeline rank (forward and backward of its stages).
+    pub compute_s: f64,
+    /// That rank's tensor-parallel all-reduces.
+    pub tp_comm_s: f64,
+    /// That rank's pipeline sends and receives.
+    pub p2p_s: f64,
+    /// The data-parallel gradient all-reduce (slowest rank).
+    pub dp_allreduce_s: f64,
+    /// Gradient norm, clipping and AdamW (slowest rank).
+    pub optimizer_s: f64,
+    /// The simulated pipeline's idle fraction over all its ranks.
+    pub bubble_fraction: f64,
+}
+
+/// Predicts the wall time of one training step of `cfg` on a machine with rates `tm`
+/// (see the module docs for the formulas).
+pub fn predict_step_time<M: Model>(
+    cfg: &TrainConfig<M>,
+    tm: &TimeModel,
+) -> Result<StepTime, TrainError> {
+    let m = &cfg.model;
+    m.validate()?;
+    m.check_layout(cfg.tp, cfg.seq_len)?;
+    cfg.mesh().validate()?;
+    if cfg.microbatches == 0
+        || cfg.batch == 0
+        || !cfg.batch.is_multiple_of(cfg.dp * cfg.microbatches)
+    {
+        return Err(err!(
+            Config,
+            "--batch {} does not split into --dp {} × --microbatches {} (each at least 1): \
+             no step to predict",
+            cfg.batch,
+            cfg.dp,
+            cfg.microbatches
+        ));
+    }
+    let program = cfg.program()?;
+    let costs = m.costs(cfg.seq_len);
+    let plans = plan_stages(&costs, program.num_stages as usize, &cfg.split)?;
+    let threads = match cfg.threads_per_worker {
+        0 => threads::default_threads_per_worker(cfg.world_size()),
+        t => t,
+    };
+    let rate = tm.rate(threads);
+    let tokens = (cfg.microbatch_size() * cfg.seq_len) as f64;
+    let activation = tokens * m.width().unwrap_or(0) as f64 * 4.0;
+    let all_reduce = |bytes: f64| tm.collective.all_reduce(bytes, cfg.tp);
+    let flops = |p: &StagePlan| stage_flops(&costs, p);
+    let parts =
+        |p: &StagePlan| (p.blocks.len() + usize::from(p.embed) + usize::from(p.head)) as f64;
+    // Per stage: (compute, tp forward, tp backward) of one microbatch.
+    let stages: Vec<(f64, f64, f64)> = plans
+        .iter()
+        .map(|p| {
+            let compute =
+                tokens * flops(p) / (cfg.tp as f64 * rate) + parts(p) * tm.overhead_per_part_s;
+            let layers = p.blocks.len() as f64;
+            let mut fwd = 2.0 * layers * all_reduce(activation);
+            let mut bwd = fwd;
+            if p.embed {
+                fwd += all_reduce(activation);
+            }
+            if p.head {
+                fwd += 2.0 * all_reduce(tokens * 4.0);
+                bwd += all_reduce(activation);
+            }
+            (compute, fwd, bwd)
+        })
+        .collect();
+    let comm = if program.num_ranks() > 1 {
+        tm.p2p.time(activation) / 2.0
+    } else {
+        0.0
+    };
+    let phi = tm.forward_fraction;
+    let stage_costs: Vec<Costs> = stages
+        .iter()
+        .map(|&(c, f, b)| {
+            let backward = (1.0 - phi) * c + b;
+            Costs {
+                f: phi * c + f,
+                b: backward,
+                i: backward / 2.0,
+                w: backward / 2.0,
+                comm,
+            }
+        })
+        .collect();
+    let timeline = simulate_by_stage(&program, &stage_costs)?;
+    // Per pipeline rank: compute, tp all-reduces, parameters.
+    let total_flops = costs.embed + costs.blocks.iter().sum::<f64>() + costs.head;
+    let params = m.param_count() as f64;
+    let mb = cfg.microbatches as f64;
+    let ranks: Vec<(f64, f64, f64)> = (0..program.num_ranks() as u32)
+        .map(|r| {
+            let mine = program.stages_of_rank(r);
+            let sum = |f: &dyn Fn(usize) -> f64| mine.iter().map(|&s| f(s as usize)).sum::<f64>();
+            let share = sum(&|s| flops(&plans[s])) / total_flops.max(f64::MIN_POSITIVE);
+            (
+                mb * sum(&|s| stages[s].0),
+                mb * sum(&|s| stages[s].1 + stages[s].2),
+                params * share / cfg.tp as f64,
+            )
+        })
+        .collect();
+    let busiest = (0..ranks.len())
+        .max_by(|&a, &b| timeline.ranks[a].busy.total_cmp(&timeline.ranks[b].busy))
+        .unwrap_or(0);
+    let bucket = (cfg.bucket_mib * 1024.0 * 1024.0).max(4.0);
+    let after = |n: f64| {
+        let bytes = 4.0 * n;
+        // Each bucket pays the latency; together they move the bytes once.
+        let latency = tm.collective.all_reduce(0.0, cfg.dp);
+        let dp = (bytes / bucket).ceil().max(1.0) * latency
+            + (tm.collective.all_reduce(bytes, cfg.dp) - latency);
+        (dp, n * tm.optimizer_s_per_param)
+    };
+    let slowest = ranks
+        .iter()
+        .map(|r| after(r.2))
+        .max_by(|a, b| (a.0 + a.1).total_cmp(&(b.0 + b.1)))
+        .unwrap_or((0.0, 0.0));
+    let gather = if cfg.world_size() > 1 {
+        tm.collective.alpha_s
+    } else {
+        0.0
+    };
+    let pipeline_s = timeline.makespan;
+    Ok(StepTime {
+        seconds: pipeline_s + slowest.0 + slowest.1 + gather,
+        pipeline_s,
+        compute_s: ranks.get(busiest).map_or(0.0, |r| r.0),
+        tp_comm_s: ranks.get(busiest).map_or(0.0, |r| r.1),
+        p2p_s: timeline.ranks.get(busiest).map_or(0.0, |r| r.comm),
+        dp_allreduce_s: slowest.0,
+        optimizer_s: slowest.1,
+        bubble_fraction: timeline.bubble_fraction,
+    })
+}
+
+/// Training FLOPs per token of one stage.
+fn stage_flops(costs: &switchyard_models::LayerCosts, p: &StagePlan) -> f64 {
+    let blocks: f64 = costs.blocks[p.blocks.clone()].iter().sum();
+    blocks + if p.embed { costs.embed } else { 0.0 } + if p.head { costs.head } else { 0.0 }
+}
+
+/// `(intercept, slope)` of the least-squares line through `points` (a horizontal line
+/// through their mean when all `x` are equal).
+fn fit_line(points: &[(f64, f64)]) -> (f64, f64) {
+    let n = points.len().max(1) as f64;
+    let mx = points.iter().map(|p| p.0).sum::<f64>() / n;
+    let my = points.iter().map(|p| p.1).sum::<f64>() / n;
+    let sxx: f64 = points.iter().map(|p| (p.0 - mx).powi(2)).sum();
+    let sxy: f64 = points.iter().map(|p| (p.0 - mx) * (p.1 - my)).sum();
+    let slope = if sxx > 0.0 { sxy / sxx } else { 0.0 };
+    (my - slope * mx, slope)
+}
+
+/// The fastest of `reps` timings of `f`, in seconds, after one untimed run.
+fn fastest<E>(reps: usize, mut f: impl FnMut() -> Result<(), E>) -> Result<f64, E> {
+    f()?;
+    let mut best = f64::INFINITY;
+    for _ in 0..reps {
+        let t0 = Instant::now();
+        f()?;
+        best = best.min(t0.elapsed().as_secs_f64());
+    }
+    Ok(best)
+}
+
+impl TimeModel {
+    /// A worker's FLOP/s with `threads` compute threads: `r · (1 + e · (t − 1))`.
+    pub fn rate(&self, threads: usize) -> f64 {
+        self.flops_per_s_per_thread * (1.0 + self.thread_efficiency * (threads.max(1) - 1) as f64)
+    }
+
+    /// Measures this machine's rates for the `ops` kernels, in a few seconds: one
+    /// microbatch's forward and backward of small GPTs (the rate and the per-part
+    /// overhead from a line through three sizes, the forward's share, and a second
+    /// thread's gain when there are two cores), AdamW with the gradient norm over a
+    /// million parameters, and messages and all-reduces of three sizes between two
+    /// ranks of the in-process threads backend.
+    pub fn calibrate(ops: OpsBackend) -> Result<TimeModel, TrainError> {
+        let one = threads::worker_pool(1)?;
+        // (d, T, sequences): from launch-bound to FLOP-bound.
+        let sizes = [(32, 16, 2), (64, 32, 4), (128, 64, 4)];
+        let mut points = Vec::new();
+        let mut forward = 0.0;
+        for &(d, t, b) in &sizes {
+            let run = one.install(|| time_gpt(ops, d, t, b))?;
+            points.push((run.flops / run.parts, run.seconds / run.parts));
+            forward = run.forward / run.seconds;
+        }
+        let (overhead, slope) = fit_line(&points);
+        let flops_per_s_per_thread = 1.0 / slope.max(1e-15);
+        let overhead_per_part_s = overhead.max(0.0);
+        let thread_efficiency = if threads::available_cores() >= 2 {
+            let (d, t, b) = sizes[2];
+            let two = threads::worker_pool(2)?.install(|| time_gpt(ops, d, t, b))?;
+            let flop_time = two.seconds - two.parts * overhead_per_part_s;
+            let ideal = two.flops / flops_per_s_per_thread;
+            match flop_time > 0.0 {
+                true => (ideal / flop_time - 1.0).clamp(0.0, 1.0),
+                false => 1.0,
+            }
+        } else {
+            0.0
+        };
+        let optimizer_s_per_param = one.install(time_optimizer)?;
+        let (p2p, collective) = time_comm()?;
+        Ok(TimeModel {
+            flops_per_s_per_thread,
+            thread_efficiency,
+            forward_fraction: forward.clamp(0.05, 0.95),
+            overhead_per_part_s,
+            optimizer_s_per_param,
+            p2p,
+            collective,
+        })
+    }
+}
+
+/// One timed GPT microbatch.
+struct Timed {
+    /// Forward and backward, seconds.
+    seconds: f64,
+    /// Forward (and the loss) alone.
+    forward: f64,
+    flops: f64,
+    parts: f64,
+}
+
+/// Forward and backward of one microbatch of `b` sequences of `t` tokens through a
+/// 2-layer GPT of width `d`, on the current thread pool.
+fn time_gpt(ops: OpsBackend, d: usize, t: usize, b: usize) -> Result<Timed, TrainError> {
+    let cfg = GptConfig {
+        vocab_size: 256,
+        block_size: t,
+        n_layer: 2,
+        n_head: 4,
+        d_model: d,
+        tied_embeddings: false,
+        ops,
+    };
+    let costs = cfg.costs(t);
+    let plan = plan_stages(&costs, 1, &SplitSpec::Even)?.remove(0);
+    let store = ParamStore::new(DType::F32, 0, 1, ParamSource::Init { seed: 0 })?;
+    let stage = cfg.stage(&plan, &store, single_device())?;
+    let ids: Vec<u32> = (0..b * t).map(|i| (i * 7 % 256) as u32).collect();
+    let x = Tensor::from_vec(ids.clone(), (b, t), &Device::Cpu)?;
+    let y = Tensor::from_vec(
+        ids.iter().map(|i| (i + 1) % 256).collect::<Vec<_>>(),
+        (b, t),
+        &Device::Cpu,
+    )?;
+    let step = |backward: bool| -> candle_core::Result<()> {
+        stage.begin_step()?;
+        let loss = stage.loss(&stage.forward(&x)?, &y)?;
+        if backward {
+            loss.backward()?;
+        }
+        stage.end_step();
+        Ok(())
+    };
+    let reps = 5;
+    Ok(Timed {
+        seconds: fastest(reps, || step(true))?,
+        forward: fastest(reps, || step(false))?,
+        flops: (b * t) as f64 * stage_flops(&costs, &plan),
+        parts: (plan.blocks.len() + 2) as f64,
+    })
+}
+
+/// Seconds per parameter of the step's end: sum of squares, clipping, AdamW.
+fn time_optimizer() -> Result<f64, TrainError> {
+    let n = 1 << 18;
+    let params = (0..4)
+        .map(|_| Var::ones(n, DType::F32, &Device::Cpu))
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    let grads: Vec<Option<Tensor>> = params
+        .iter()
+        .map(|p| p.as_tensor().affine(1e-3, 0.0).map(Some))
+        .collect::<candle_core::Result<_>>()?;
+    let mut opt = AdamW::new(params, AdamWConfig::default());
+    let seconds = fastest(3, || -> Result<(), TrainError> {
+        let mut clipped = Vec::with_capacity(grads.len());
+        for g in grads.iter().flatten() {
+            g.sqr()?.sum_all()?.to_scalar::<f32>()?;
+            clipped.push(Some(g.affine(0.5, 0.0)?));
+        }
+        opt.step(&clipped, 1e-3)?;
+        Ok(())
+    })?;
+    Ok(seconds / (4 * n) as f64)
+}
+
+/// Pipeline messages (ping-pong, one way) and all-reduces between two ranks of the
+/// threads backend, each fitted through three sizes.
+fn time_comm() -> Result<(AlphaBeta, AlphaBeta), TrainError> {
+    let sizes = [1usize << 8, 1 << 14, 1 << 18];
+    let reps = 20;
+    let per_rank = Launcher::new(2).threads_per_worker(1).run(
+        |comm: Arc<dyn Communicator>| -> Result<Vec<(f64, f64, f64)>, TrainError> {
+            let me = comm.rank();
+            let mut out = Vec::new();
+            for (k, &n) in sizes.iter().enumerate() {
+                let x = Tensor::ones(n, DType::F32, &Device::Cpu)?;
+                let mut tag = (k * 1000) as u64;
+                let mut ping = || -> Result<(), TrainError> {
+                    tag += 1;
+                    if me == 0 {
+                        comm.send(&x, 1, tag)?;
+                        comm.recv(1, tag)?;
+                    } else {
+                        let y = comm.recv(0, tag)?;
+                        comm.send(&y, 0, tag)?;
+                    }
+                    Ok(())
+                };
+                comm.barrier()?;
+                let p2p = fastest(reps, &mut ping)? / 2.0;
+                comm.barrier()?;
+                let reduce = fastest(reps, || comm.all_reduce(&x, ReduceOp::Sum).map(|_| ()))?;
+                out.push(((4 * n) as f64, p2p, reduce));
+            }
+            Ok(out)
+        },
+    )?;
+    let rank0 = &per_rank[0];
+    Ok((
+        AlphaBeta::fit(&rank0.iter().map(|r| (r.0, r.1)).collect::<Vec<_>>()),
+        AlphaBeta::fit(&rank0.iter().map(|r| (r.0, r.2)).collect::<Vec<_>>()),
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use switchyard_schedule::{simulate, ScheduleChoice, ScheduleKind};
+
+    /// Round numbers: 1 GFLOP/s a thread, no overhead, 1 ms and 1 GB/s per collective.
+    fn tm() -> TimeModel {
+        TimeModel {
+            flops_per_s_per_thread: 1e9,
+            thread_efficiency: 1.0,
+            forward_fraction: 1.0 / 3.0,
+            overhead_per_part_s: 0.0,
+            optimizer_s_per_param: 0.0,
+            p2p: AlphaBeta {
+                alpha_s: 0.0,
+                bytes_per_s: 1e9,
+            },
+            collective: AlphaBeta {
+                alpha_s: 1e-3,
+                bytes_per_s: 1e9,
+            },
+        }
+    }
+
+    fn cfg(dp: usize, pp: usize, tp: usize) -> TrainConfig<GptConfig> {
+        TrainConfig {
+            model: GptConfig::tiny(4),
+            dp,
+            pp,
+            tp,
+            schedule: ScheduleChoice::Named(ScheduleKind::OneFOneB),
+            microbatches: 4,
+            batch: 8,
+            seq_len: 16,
+            threads_per_worker: 1,
+            ..TrainConfig::default()
+        }
+    }
+
+    fn flops_per_step(c: &TrainConfig<GptConfig>) -> f64 {
+        let k = c.model.costs(c.seq_len);
+        c.tokens_per_step() as f64 * (k.embed + k.blocks.iter().sum::<f64>() + k.head)
+    }
+
+    #[test]
+    fn one_worker_is_its_flops_over_the_rate() {
+        let c = cfg(1, 1, 1);
+        let s = predict_step_time(&c, &tm()).unwrap();
+        let want = flops_per_step(&c) / 1e9;
+        assert!((s.seconds - want).abs() < 1e-12 * want, "{s:?} {want}");
+        assert_eq!((s.tp_comm_s, s.p2p_s, s.dp_allreduce_s), (0.0, 0.0, 0.0));
+        assert_eq!(s.bubble_fraction, 0.0);
+        // Two threads at full efficiency halve it; at none they do nothing.
+        let two = TrainConfig {
+            threads_per_worker: 2,
+            ..c.clone()
+        };
+        let half = predict_step_time(&two, &tm()).unwrap().seconds;
+        assert!((half - want / 2.0).abs() < 1e-12 * want);
+        let flat = TimeModel {
+            thread_efficiency: 0.0,
+            ..tm()
+        };
+        assert_eq!(predict_step_time(&two, &flat).unwrap().seconds, s.seconds);
+    }
+
+    #[test]
+    fn doubling_tp_halves_compute_and_adds_the_all_reduces() {
+        let (one, two) = (cfg(1, 1, 1), cfg(1, 1, 2));
+        let a = predict_step_time(&one, &tm()).unwrap();
+        let b = predict_step_time(&two, &tm()).unwrap();
+        assert!((b.compute_s - a.compute_s / 2.0).abs() < 1e-12);
+        // Per microbatch: 4 layers × (2 + 2) all-reduces of n · d · 4 bytes, the
+        // embeddings' and the head's backward one more each, the loss's two of n · 4.
+        let n = (two.microbatch_size() * two.seq_len) as f64;
+        let act = 1e-3 + n * 32.0 * 4.0 / 1e9;
+        let want = 4.0 * (4.0 * 4.0 * act + 2.0 * act + 2.0 * (1e-3 + n * 4.0 / 1e9));
+        assert!((b.tp_comm_s - want).abs() < 1e-12, "{} {want}", b.tp_comm_s);
+        // And the world's all-gather of the losses: one latency.
+        assert!((b.seconds - (a.seconds / 2.0 + want + 1e-3)).abs() < 1e-9);
+    }
+
+    #[test]
+    fn a_pipeline_bubble_is_the_simulators() {
+        let c = cfg(1, 2, 1);
+        let s = predict_step_time(&c, &tm()).unwrap();
+        // With the head and embeddings nearly free and even stages, the simulator's
+        // default F=1, B=2 gives the same bubble: (p − 1)/(m + p − 1).
+        let sim = simulate(&c.program().unwrap(), &Costs::default()).unwrap();
+        assert!(
+            (s.bubble_fraction - sim.bubble_fraction).abs() < 0.02,
+            "{s:?}"
+        );
+        assert!((sim.bubble_fraction - 1.0 / 5.0).abs() < 1e-12);
+        // The makespan: (m + p − 1) stage passes of half the model, plus the head's
+        // imbalance; p2p at 1 GB/s adds 2 · n · d · 4 bytes per microbatch boundary.
+        let one = predict_step_time(&cfg(1, 1, 1), &tm()).unwrap();
+        assert!(s.seconds > one.seconds / 2.0 * 5.0 / 4.0);
+        assert!(s.p2p_s > 0.0);
+    }
+
+    #[test]
+    fn data_parallel_adds_the_gradient_all_reduce() {
+        let s = predict_step_time(&cfg(2, 1, 1), &tm()).unwrap();
+        let one = predict_step_time(&cfg(1, 1, 1), &tm()).unwrap();
+        let bytes = 4.0 * GptConfig::tiny(4).param_count() as f64;
+        let want = 1e-3 + bytes / 1e9;
+        assert!((s.dp_allreduce_s - want).abs() < 1e-12, "{s:?}");
+        assert!((s.seconds - (one.seconds / 2.0 + want + 1e-3)).abs() < 1e-9);
+    }
+
+    #[test]
+    fn a_line_and_an_alpha_beta_fit_exact_points() {
+        let ab = AlphaBeta::fit(&[(0.0, 1e-6), (1e6, 1e-6 + 1e-3), (2e6, 1e-6 + 2e-3)]);
+        assert!((ab.alpha_s - 1e-6).abs() < 1e-15 && (ab.bytes_per_s - 1e9).abs() < 1.0);
+        assert_eq!(ab.all_reduce(1e6, 1), 0.0);
+        assert!((ab.all_reduce(1e6, 4) - (3e-6 + 1.5e-3)).abs() < 1e-12);
+        let json = serde_json::to_string(&tm()).unwrap();
+        assert_eq!(serde_json::from_str::<TimeModel>(&json).unwrap(), tm());
+    }
+
+    #[test]
+    fn a_layout_that_cannot_run_is_refused() {
+        let e = predict_step_time(&cfg(1, 1, 3), &tm())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("--tp 3"), "{e}");
+        let e = predict_step_time(
+            &TrainConfig {
+                batch: 6,
+                ..cfg(1, 1, 1)
+            },
+            &tm(),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("does not split"), "{e}");
+    }
+}
