@@ -308,22 +308,25 @@ impl TimeModel {
     /// million parameters, and messages and all-reduces of three sizes between two
     /// ranks of the in-process threads backend.
     pub fn calibrate(ops: OpsBackend) -> Result<TimeModel, TrainError> {
-        let one = threads::worker_pool(1)?;
         // (d, T, sequences): from launch-bound to FLOP-bound.
         let sizes = [(32, 16, 2), (64, 32, 4), (128, 64, 4)];
-        let mut points = Vec::new();
-        let mut forward = 0.0;
-        for &(d, t, b) in &sizes {
-            let run = one.install(|| time_gpt(ops, d, t, b))?;
-            points.push((run.flops / run.parts, run.seconds / run.parts));
-            forward = run.forward / run.seconds;
-        }
+        let runs = on_pool(1, || {
+            sizes
+                .iter()
+                .map(|&(d, t, b)| time_gpt(ops, d, t, b))
+                .collect::<Result<Vec<_>, _>>()
+        })?;
+        let points: Vec<(f64, f64)> = runs
+            .iter()
+            .map(|r| (r.flops / r.parts, r.seconds / r.parts))
+            .collect();
         let (overhead, slope) = fit_line(&points);
         let flops_per_s_per_thread = 1.0 / slope.max(1e-15);
         let overhead_per_part_s = overhead.max(0.0);
+        let largest = &runs[runs.len() - 1];
         let thread_efficiency = if threads::available_cores() >= 2 {
-            let (d, t, b) = sizes[2];
-            let two = threads::worker_pool(2)?.install(|| time_gpt(ops, d, t, b))?;
+            let (d, t, b) = sizes[sizes.len() - 1];
+            let two = on_pool(2, || time_gpt(ops, d, t, b))?;
             let flop_time = two.seconds - two.parts * overhead_per_part_s;
             let ideal = two.flops / flops_per_s_per_thread;
             match flop_time > 0.0 {
@@ -333,18 +336,31 @@ impl TimeModel {
         } else {
             0.0
         };
-        let optimizer_s_per_param = one.install(time_optimizer)?;
+        let optimizer_s_per_param = on_pool(1, time_optimizer)?;
         let (p2p, collective) = time_comm()?;
         Ok(TimeModel {
             flops_per_s_per_thread,
             thread_efficiency,
-            forward_fraction: forward.clamp(0.05, 0.95),
+            forward_fraction: (largest.forward / largest.seconds).clamp(0.05, 0.95),
             overhead_per_part_s,
             optimizer_s_per_param,
             p2p,
             collective,
         })
     }
+}
+
+/// Runs `f` on a fresh thread in a compute pool of `threads` threads (as a worker
+/// computes), so that the caller's own pool, if any, is not involved.
+fn on_pool<T: Send>(
+    threads: usize,
+    f: impl FnOnce() -> Result<T, TrainError> + Send,
+) -> Result<T, TrainError> {
+    std::thread::scope(|s| {
+        s.spawn(|| threads::worker_pool(threads)?.install(f))
+            .join()
+            .unwrap_or_else(|_| Err(err!(Config, "the calibration thread panicked")))
+    })
 }
 
 /// One timed GPT microbatch.
