@@ -10,14 +10,19 @@
 //! the embeddings, of layer `ℓ` and of the head ([`Model::costs`]; for the GPT,
 //! `6 · 12 · d² + 12 · T · d` a block), `t` the compute threads of a worker.
 //!
-//! * **Compute rate** of a worker: `R = r · (1 + e · (t − 1))`, `r` the FLOP/s of one
-//!   thread and `e` the measured efficiency of each further thread.
+//! * **A part's time.** A part is a layer, the embeddings or the head. `S₁(x)` is the
+//!   measured time of one part of `x` training FLOPs (one microbatch, forward and
+//!   backward) on one thread: linear interpolation between a few calibrated sizes; below
+//!   the smallest, the line through the two smallest (`o = S₁(0)`, the fixed overhead of
+//!   a part: kernel launches, graph bookkeeping, what keeps small layers from their FLOP
+//!   rate); above the largest, growing at `r` FLOP/s (the last slope). A worker of `t`
+//!   threads takes `S_t(x) = S₁(x) / (1 + e(x) · (t − 1))`, `e(x)` the measured gain of a
+//!   second thread at that size (small parts do not split), interpolated the same way.
 //! * **Stage `s`**, one microbatch, forward and backward together, on each of the `tp`
-//!   ranks: `C_s = n · (Σ_{ℓ∈s} c_ℓ + [first] c_e + [last] c_h) / (tp · R) + k_s · o`,
-//!   `k_s` the parts the stage runs (its layers, plus the embeddings and the head where
-//!   it has them) and `o` a fixed overhead per part (kernel launches, graph bookkeeping:
-//!   what keeps small layers from their FLOP rate). Forward takes `φ · C_s`, backward
-//!   `(1 − φ) · C_s` (`φ` measured, about 1/3); a split backward's `I` and `W` half each.
+//!   ranks: `C_s = k_s · S_t(n · F_s / (tp · k_s))`, `F_s = Σ_{ℓ∈s} c_ℓ + [first] c_e +
+//!   [last] c_h` and `k_s` the parts the stage runs (its parts taken at their mean size,
+//!   as the calibration measures them). Forward takes `φ · C_s`, backward `(1 − φ) · C_s`
+//!   (`φ` measured, about 1/3); a split backward's `I` and `W` half each.
 //! * **Tensor parallelism** (Megatron): each layer all-reduces its `n · w · 4`-byte output
 //!   twice in the forward (attention, MLP) and its input gradient twice in the backward;
 //!   the embeddings once in the forward, the head's input gradient once in the backward
@@ -38,8 +43,8 @@
 //!   all-gather of the losses, one `α_c`. `N_r`, a rank's parameters, is the model's
 //!   `param_count` times the rank's share of the model's FLOPs, over `tp`.
 //!
-//! Step time `= M + max_r (A_dp + N_r · a) + α_c` (the last two only when there is more
-//! than one worker).
+//! Step time `= M + max_r (A_dp + N_r · a) + [workers > 1] · α_c` (`A_dp = 0` without
+//! data parallelism).
 //!
 //! A model whose [`Model::costs`] are relative weights rather than FLOPs (the trait's
 //! default) gets times in those units divided by the rate: meaningless. The GPT's are
@@ -100,15 +105,21 @@ impl AlphaBeta {
 /// This machine's rates: what [`predict_step_time`] divides the work by.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TimeModel {
-    /// FLOP/s of one compute thread on a layer's training FLOPs (`r`).
+    /// One part (a layer, the embeddings or the head) of one microbatch, forward and
+    /// backward, on one thread: `(FLOPs, seconds)` measured at a few sizes, by
+    /// increasing FLOPs (the curve `S₁`; at least two points).
+    pub part_times: Vec<(f64, f64)>,
+    /// What a second thread adds at each of those sizes, as a fraction of the first
+    /// (`e`: 0 gains nothing, 1 halves the time).
+    pub thread_efficiency: Vec<f64>,
+    /// FLOP/s of one compute thread beyond the largest size measured (`r`, the curve's
+    /// last slope).
     pub flops_per_s_per_thread: f64,
-    /// What each thread beyond the first adds, as a fraction of the first (`e`, 0 to 1).
-    pub thread_efficiency: f64,
-    /// The forward's share of a layer's forward and backward time (`φ`).
-    pub forward_fraction: f64,
-    /// Fixed seconds per part (a layer, the embeddings, the head) and microbatch,
-    /// forward and backward together (`o`).
+    /// Seconds of a part with no FLOPs (`o`, the curve at 0): kernel launches, graph
+    /// bookkeeping, what keeps small layers from their FLOP rate.
     pub overhead_per_part_s: f64,
+    /// The forward's share of a part's forward and backward time (`φ`).
+    pub forward_fraction: f64,
     /// Seconds per parameter of the step's end: gradient norm, clipping, AdamW (`a`).
     pub optimizer_s_per_param: f64,
     /// Pipeline messages, one way (a send and its receive).
@@ -168,7 +179,6 @@ pub fn predict_step_time<M: Model>(
         0 => threads::default_threads_per_worker(cfg.world_size()),
         t => t,
     };
-    let rate = tm.rate(threads);
     let tokens = (cfg.microbatch_size() * cfg.seq_len) as f64;
     let activation = tokens * m.width().unwrap_or(0) as f64 * 4.0;
     let all_reduce = |bytes: f64| tm.collective.all_reduce(bytes, cfg.tp);
@@ -179,8 +189,8 @@ pub fn predict_step_time<M: Model>(
     let stages: Vec<(f64, f64, f64)> = plans
         .iter()
         .map(|p| {
-            let compute =
-                tokens * flops(p) / (cfg.tp as f64 * rate) + parts(p) * tm.overhead_per_part_s;
+            let k = parts(p);
+            let compute = k * tm.part_seconds(tokens * flops(p) / (cfg.tp as f64 * k), threads);
             let layers = p.blocks.len() as f64;
             let mut fwd = 2.0 * layers * all_reduce(activation);
             let mut bwd = fwd;
@@ -296,54 +306,112 @@ fn fastest<E>(reps: usize, mut f: impl FnMut() -> Result<(), E>) -> Result<f64, 
 }
 
 impl TimeModel {
-    /// A worker's FLOP/s with `threads` compute threads: `r · (1 + e · (t − 1))`.
-    pub fn rate(&self, threads: usize) -> f64 {
-        self.flops_per_s_per_thread * (1.0 + self.thread_efficiency * (threads.max(1) - 1) as f64)
+    /// A rate `r` per thread and a fixed `o` per part, nothing gained from more threads:
+    /// `S₁(x) = o + x / r` (for tests and back-of-the-envelope models).
+    pub fn linear(flops_per_s_per_thread: f64, overhead_per_part_s: f64) -> TimeModel {
+        let s = |x: f64| overhead_per_part_s + x / flops_per_s_per_thread;
+        TimeModel {
+            part_times: vec![(1e6, s(1e6)), (1e9, s(1e9))],
+            thread_efficiency: vec![0.0, 0.0],
+            flops_per_s_per_thread,
+            overhead_per_part_s,
+            forward_fraction: 1.0 / 3.0,
+            optimizer_s_per_param: 0.0,
+            p2p: AlphaBeta {
+                alpha_s: 0.0,
+                bytes_per_s: 1e15,
+            },
+            collective: AlphaBeta {
+                alpha_s: 0.0,
+                bytes_per_s: 1e15,
+            },
+        }
+    }
+
+    /// Seconds of one part of `flops` FLOPs on a worker of `threads` threads:
+    /// `S₁(x) / (1 + e(x) · (t − 1))`, `S₁` and `e` interpolated linearly between the
+    /// measured sizes; below the first, `S₁` follows the line through the first two
+    /// (from `o` at 0) and `e` is the first's; above the last, `S₁` grows at `r` and `e`
+    /// is the last's.
+    pub fn part_seconds(&self, flops: f64, threads: usize) -> f64 {
+        let pts = &self.part_times;
+        let n = pts.len();
+        let (seconds, eff) = if n < 2 || flops <= pts[0].0 {
+            let (x0, s0) = pts.first().copied().unwrap_or((0.0, 0.0));
+            let line = if x0 > 0.0 {
+                self.overhead_per_part_s + (s0 - self.overhead_per_part_s) * flops / x0
+            } else {
+                s0
+            };
+            (line, self.thread_efficiency.first().copied().unwrap_or(0.0))
+        } else if flops >= pts[n - 1].0 {
+            let (x, s) = pts[n - 1];
+            (
+                s + (flops - x) / self.flops_per_s_per_thread,
+                self.thread_efficiency.last().copied().unwrap_or(0.0),
+            )
+        } else {
+            let k = pts.iter().position(|p| p.0 > flops).unwrap_or(n - 1);
+            let ((x0, s0), (x1, s1)) = (pts[k - 1], pts[k]);
+            let f = (flops - x0) / (x1 - x0);
+            let e = |i: usize| self.thread_efficiency.get(i).copied().unwrap_or(0.0);
+            (s0 + f * (s1 - s0), e(k - 1) + f * (e(k) - e(k - 1)))
+        };
+        seconds.max(0.0) / (1.0 + eff * (threads.max(1) - 1) as f64)
     }
 
     /// Measures this machine's rates for the `ops` kernels, in a few seconds: one
-    /// microbatch's forward and backward of small GPTs (the rate and the per-part
-    /// overhead from a line through three sizes, the forward's share, and a second
-    /// thread's gain when there are two cores), AdamW with the gradient norm over a
-    /// million parameters, and messages and all-reduces of three sizes between two
-    /// ranks of the in-process threads backend.
+    /// microbatch's forward and backward of 2-layer GPTs at five sizes, on one thread
+    /// and on two when there are two cores (the curve `S₁`, `o`, `r`, `e` and the
+    /// forward's share `φ`), AdamW with the gradient norm and clipping over a million
+    /// parameters (`a`), and messages and all-reduces of three sizes between two ranks
+    /// of the in-process threads backend (`α`, `β`, least squares).
     pub fn calibrate(ops: OpsBackend) -> Result<TimeModel, TrainError> {
-        // (d, T, sequences): from launch-bound to FLOP-bound.
-        let sizes = [(32, 16, 2), (64, 32, 4), (128, 64, 4)];
-        let runs = on_pool(1, || {
-            sizes
-                .iter()
-                .map(|&(d, t, b)| time_gpt(ops, d, t, b))
-                .collect::<Result<Vec<_>, _>>()
-        })?;
-        let points: Vec<(f64, f64)> = runs
+        // (d, T, sequences): from launch-bound to FLOP-bound, the shapes of small runs.
+        let sizes = [
+            (32, 16, 1),
+            (32, 16, 8),
+            (128, 64, 2),
+            (128, 64, 8),
+            (256, 128, 2),
+        ];
+        let time_all = |threads: usize| {
+            on_pool(threads, || {
+                sizes
+                    .iter()
+                    .map(|&(d, t, b)| time_gpt(ops, d, t, b))
+                    .collect::<Result<Vec<_>, _>>()
+            })
+        };
+        let one = time_all(1)?;
+        let part_times: Vec<(f64, f64)> = one
             .iter()
             .map(|r| (r.flops / r.parts, r.seconds / r.parts))
             .collect();
-        let (overhead, slope) = fit_line(&points);
-        let flops_per_s_per_thread = 1.0 / slope.max(1e-15);
-        let overhead_per_part_s = overhead.max(0.0);
-        let largest = &runs[runs.len() - 1];
-        let thread_efficiency = if threads::available_cores() >= 2 {
-            let (d, t, b) = sizes[sizes.len() - 1];
-            let two = on_pool(2, || time_gpt(ops, d, t, b))?;
-            let flop_time = two.seconds - two.parts * overhead_per_part_s;
-            let ideal = two.flops / flops_per_s_per_thread;
-            match flop_time > 0.0 {
-                true => (ideal / flop_time - 1.0).clamp(0.0, 1.0),
-                false => 1.0,
-            }
-        } else {
-            0.0
+        let thread_efficiency = match threads::available_cores() >= 2 {
+            true => time_all(2)?
+                .iter()
+                .zip(&one)
+                .map(|(two, one)| (one.seconds / two.seconds - 1.0).clamp(0.0, 1.0))
+                .collect(),
+            false => vec![0.0; sizes.len()],
         };
-        let optimizer_s_per_param = on_pool(1, time_optimizer)?;
+        let (n, (x0, s0), (x1, s1)) = (part_times.len(), part_times[0], part_times[1]);
+        let ((xa, sa), (xb, sb)) = (part_times[n - 2], part_times[n - 1]);
+        let slope = if sb > sa {
+            (sb - sa) / (xb - xa)
+        } else {
+            sb / xb
+        };
+        let mid = &one[2];
         let (p2p, collective) = time_comm()?;
         Ok(TimeModel {
-            flops_per_s_per_thread,
+            flops_per_s_per_thread: 1.0 / slope,
+            overhead_per_part_s: (s0 - (s1 - s0) / (x1 - x0) * x0).max(0.0),
+            forward_fraction: (mid.forward / mid.seconds).clamp(0.05, 0.95),
+            part_times,
             thread_efficiency,
-            forward_fraction: (largest.forward / largest.seconds).clamp(0.05, 0.95),
-            overhead_per_part_s,
-            optimizer_s_per_param,
+            optimizer_s_per_param: on_pool(1, time_optimizer)?,
             p2p,
             collective,
         })
@@ -405,7 +473,7 @@ fn time_gpt(ops: OpsBackend, d: usize, t: usize, b: usize) -> Result<Timed, Trai
         stage.end_step();
         Ok(())
     };
-    let reps = 5;
+    let reps = 3;
     Ok(Timed {
         seconds: fastest(reps, || step(true))?,
         forward: fastest(reps, || step(false))?,
@@ -484,11 +552,7 @@ mod tests {
     /// Round numbers: 1 GFLOP/s a thread, no overhead, 1 ms and 1 GB/s per collective.
     fn tm() -> TimeModel {
         TimeModel {
-            flops_per_s_per_thread: 1e9,
-            thread_efficiency: 1.0,
-            forward_fraction: 1.0 / 3.0,
-            overhead_per_part_s: 0.0,
-            optimizer_s_per_param: 0.0,
+            thread_efficiency: vec![1.0, 1.0],
             p2p: AlphaBeta {
                 alpha_s: 0.0,
                 bytes_per_s: 1e9,
@@ -497,6 +561,7 @@ mod tests {
                 alpha_s: 1e-3,
                 bytes_per_s: 1e9,
             },
+            ..TimeModel::linear(1e9, 0.0)
         }
     }
 
@@ -536,7 +601,7 @@ mod tests {
         let half = predict_step_time(&two, &tm()).unwrap().seconds;
         assert!((half - want / 2.0).abs() < 1e-12 * want);
         let flat = TimeModel {
-            thread_efficiency: 0.0,
+            thread_efficiency: vec![0.0, 0.0],
             ..tm()
         };
         assert_eq!(predict_step_time(&two, &flat).unwrap().seconds, s.seconds);
@@ -607,6 +672,30 @@ mod tests {
         let want = 1e-3 + bytes / 1e9;
         assert!((s.dp_allreduce_s - want).abs() < 1e-12, "{s:?}");
         assert!((s.seconds - (one.seconds / 2.0 + want + 1e-3)).abs() < 1e-9);
+    }
+
+    #[test]
+    fn a_part_is_timed_on_the_measured_curve() {
+        let tm = TimeModel {
+            part_times: vec![(1e6, 2e-3), (2e6, 3e-3), (4e6, 4e-3)],
+            thread_efficiency: vec![0.0, 0.5, 1.0],
+            flops_per_s_per_thread: 1e9,
+            overhead_per_part_s: 1e-3,
+            ..TimeModel::linear(1.0, 0.0)
+        };
+        let close = |a: f64, b: f64| (a - b).abs() < 1e-15;
+        // At and between the points; below the first along the first two's line, above
+        // the last at r.
+        assert!(close(tm.part_seconds(2e6, 1), 3e-3));
+        assert!(close(tm.part_seconds(3e6, 1), 3.5e-3));
+        assert!(close(tm.part_seconds(0.0, 1), 1e-3));
+        assert!(close(tm.part_seconds(5e5, 1), 1.5e-3));
+        assert!(close(tm.part_seconds(5e6, 1), 5e-3));
+        // A second thread: nothing on the smallest, half of its time on the largest,
+        // interpolated between, the largest's beyond.
+        assert!(close(tm.part_seconds(1e6, 2), 2e-3));
+        assert!(close(tm.part_seconds(3e6, 2), 3.5e-3 / 1.75));
+        assert!(close(tm.part_seconds(5e6, 3), 5e-3 / 3.0));
     }
 
     #[test]
