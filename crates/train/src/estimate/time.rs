@@ -15,7 +15,8 @@
 //!   backward) on one thread: linear interpolation between a few calibrated sizes; below
 //!   the smallest, the line through the two smallest (`o = S₁(0)`, the fixed overhead of
 //!   a part: kernel launches, graph bookkeeping, what keeps small layers from their FLOP
-//!   rate); above the largest, growing at `r` FLOP/s (the last slope). A worker of `t`
+//!   rate); above the largest, in proportion to `x` (at the largest's rate
+//!   `r = x_n / S₁(x_n)`: a marginal slope extrapolates badly). A worker of `t`
 //!   threads takes `S_t(x) = S₁(x) / (1 + e(x) · (t − 1))`, `e(x)` the measured gain of a
 //!   second thread at that size (small parts do not split), interpolated the same way.
 //! * **Stage `s`**, one microbatch, forward and backward together, on each of the `tp`
@@ -112,8 +113,7 @@ pub struct TimeModel {
     /// What a second thread adds at each of those sizes, as a fraction of the first
     /// (`e`: 0 gains nothing, 1 halves the time).
     pub thread_efficiency: Vec<f64>,
-    /// FLOP/s of one compute thread beyond the largest size measured (`r`, the curve's
-    /// last slope).
+    /// FLOP/s of one compute thread at the largest size measured and beyond (`r`).
     pub flops_per_s_per_thread: f64,
     /// Seconds of a part with no FLOPs (`o`, the curve at 0): kernel launches, graph
     /// bookkeeping, what keeps small layers from their FLOP rate.
@@ -311,7 +311,7 @@ impl TimeModel {
     pub fn linear(flops_per_s_per_thread: f64, overhead_per_part_s: f64) -> TimeModel {
         let s = |x: f64| overhead_per_part_s + x / flops_per_s_per_thread;
         TimeModel {
-            part_times: vec![(1e6, s(1e6)), (1e9, s(1e9))],
+            part_times: vec![(1e6, s(1e6)), (1e30, s(1e30))],
             thread_efficiency: vec![0.0, 0.0],
             flops_per_s_per_thread,
             overhead_per_part_s,
@@ -331,8 +331,8 @@ impl TimeModel {
     /// Seconds of one part of `flops` FLOPs on a worker of `threads` threads:
     /// `S₁(x) / (1 + e(x) · (t − 1))`, `S₁` and `e` interpolated linearly between the
     /// measured sizes; below the first, `S₁` follows the line through the first two
-    /// (from `o` at 0) and `e` is the first's; above the last, `S₁` grows at `r` and `e`
-    /// is the last's.
+    /// (from `o` at 0) and `e` is the first's; above the last, `S₁ = x / r` and `e` is
+    /// the last's.
     pub fn part_seconds(&self, flops: f64, threads: usize) -> f64 {
         let pts = &self.part_times;
         let n = pts.len();
@@ -345,9 +345,8 @@ impl TimeModel {
             };
             (line, self.thread_efficiency.first().copied().unwrap_or(0.0))
         } else if flops >= pts[n - 1].0 {
-            let (x, s) = pts[n - 1];
             (
-                s + (flops - x) / self.flops_per_s_per_thread,
+                flops / self.flops_per_s_per_thread,
                 self.thread_efficiency.last().copied().unwrap_or(0.0),
             )
         } else {
@@ -397,16 +396,11 @@ impl TimeModel {
             false => vec![0.0; sizes.len()],
         };
         let (n, (x0, s0), (x1, s1)) = (part_times.len(), part_times[0], part_times[1]);
-        let ((xa, sa), (xb, sb)) = (part_times[n - 2], part_times[n - 1]);
-        let slope = if sb > sa {
-            (sb - sa) / (xb - xa)
-        } else {
-            sb / xb
-        };
+        let (xn, sn) = part_times[n - 1];
         let mid = &one[2];
         let (p2p, collective) = time_comm()?;
         Ok(TimeModel {
-            flops_per_s_per_thread: 1.0 / slope,
+            flops_per_s_per_thread: xn / sn,
             overhead_per_part_s: (s0 - (s1 - s0) / (x1 - x0) * x0).max(0.0),
             forward_fraction: (mid.forward / mid.seconds).clamp(0.05, 0.95),
             part_times,
