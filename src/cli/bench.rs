@@ -127,16 +127,24 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
     let t0 = std::time::Instant::now();
     let models = calibrate(&selected)?;
     for (ops, tm) in &models {
-        let e = |i: usize| tm.thread_efficiency.get(i).map_or(0.0, |e| 100.0 * e);
+        let curves: Vec<String> = tm
+            .curves
+            .iter()
+            .map(|c| {
+                let e = c.thread_efficiency.last().map_or(0.0, |e| 100.0 * e);
+                format!(
+                    "d {}: {:.0} µs + {:.1} GFLOP/s, +{e:.0}%",
+                    c.width,
+                    1e6 * c.overhead(),
+                    c.rate() / 1e9
+                )
+            })
+            .collect();
         eprintln!(
-            "  time model ({}, calibrated): {:.1} GFLOP/s per thread, {:.0} µs per layer, \
-             +{:.0}% to +{:.0}% for a second thread, p2p {:.1} µs + {:.1} GB/s, all-reduce \
-             {:.1} µs + {:.1} GB/s",
+            "  time model ({}, calibrated): a part per thread {}; second thread at the largest \
+             size; p2p {:.1} µs + {:.1} GB/s, all-reduce {:.1} µs + {:.1} GB/s",
             ops.name(),
-            tm.flops_per_s_per_thread / 1e9,
-            tm.overhead_per_part_s * 1e6,
-            e(0),
-            e(tm.thread_efficiency.len().saturating_sub(1)),
+            curves.join(", "),
             tm.p2p.alpha_s * 1e6,
             tm.p2p.bytes_per_s / 1e9,
             tm.collective.alpha_s * 1e6,

@@ -12,13 +12,16 @@
 //!
 //! * **A part's time.** A part is a layer, the embeddings or the head. `S₁(x)` is the
 //!   measured time of one part of `x` training FLOPs (one microbatch, forward and
-//!   backward) on one thread: linear interpolation between a few calibrated sizes; below
-//!   the smallest, the line through the two smallest (`o = S₁(0)`, the fixed overhead of
-//!   a part: kernel launches, graph bookkeeping, what keeps small layers from their FLOP
-//!   rate); above the largest, in proportion to `x` (at the largest's rate
-//!   `r = x_n / S₁(x_n)`: a marginal slope extrapolates badly). A worker of `t`
-//!   threads takes `S_t(x) = S₁(x) / (1 + e(x) · (t − 1))`, `e(x)` the measured gain of a
-//!   second thread at that size (small parts do not split), interpolated the same way.
+//!   backward) on one thread, one curve per model width (the efficiency of a product
+//!   depends on its width as much as on its length): linear interpolation between a few
+//!   calibrated sizes; below the smallest, the line through the two smallest (`o =
+//!   S₁(0)`, the fixed overhead of a part: kernel launches, graph bookkeeping, what keeps
+//!   small layers from their FLOP rate); above the largest, in proportion to `x` (at the
+//!   largest's rate `r = x_n / S₁(x_n)`: a marginal slope extrapolates badly). A worker
+//!   of `t` threads takes `S_t(x) = S₁(x) / (1 + e(x) · (t − 1))`, `e(x)` the measured
+//!   gain of a second thread at that size (small parts do not split), interpolated the
+//!   same way. Between the calibrated widths, `S_t` is interpolated linearly in
+//!   `log w`; outside them, the nearest width's curve is used.
 //! * **Stage `s`**, one microbatch, forward and backward together, on each of the `tp`
 //!   ranks: `C_s = k_s · S_t(n · F_s / (tp · k_s))`, `F_s = Σ_{ℓ∈s} c_ℓ + [first] c_e +
 //!   [last] c_h` and `k_s` the parts the stage runs (its parts taken at their mean size,
@@ -103,20 +106,67 @@ impl AlphaBeta {
     }
 }
 
-/// This machine's rates: what [`predict_step_time`] divides the work by.
+/// One part's time against its FLOPs at one model width, measured (see
+/// [`TimeModel::part_seconds`]).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct TimeModel {
+pub struct PartCurve {
+    /// The model width `d` the curve was measured at.
+    pub width: usize,
     /// One part (a layer, the embeddings or the head) of one microbatch, forward and
-    /// backward, on one thread: `(FLOPs, seconds)` measured at a few sizes, by
-    /// increasing FLOPs (the curve `S₁`; at least two points).
-    pub part_times: Vec<(f64, f64)>,
+    /// backward, on one thread: `(FLOPs, seconds)` at a few sizes, by increasing FLOPs
+    /// (at least two points).
+    pub points: Vec<(f64, f64)>,
     /// What a second thread adds at each of those sizes, as a fraction of the first
     /// (`e`: 0 gains nothing, 1 halves the time).
     pub thread_efficiency: Vec<f64>,
-    /// FLOP/s of one compute thread at the largest size measured and beyond (`r`).
+}
+
+impl PartCurve {
+    /// `(S₁(x), e(x))` on this curve: interpolated linearly between the points; below
+    /// the first along the line through the first two (`e` the first's), above the last
+    /// in proportion to `x` (`e` the last's).
+    fn at(&self, x: f64) -> (f64, f64) {
+        let (pts, n) = (&self.points, self.points.len());
+        let e = |i: usize| self.thread_efficiency.get(i).copied().unwrap_or(0.0);
+        match n {
+            0 => (0.0, 0.0),
+            1 => (pts[0].1 * x / pts[0].0, e(0)),
+            _ if x <= pts[0].0 => {
+                let o = self.overhead();
+                (o + (pts[0].1 - o) * x / pts[0].0, e(0))
+            }
+            _ if x >= pts[n - 1].0 => (pts[n - 1].1 * x / pts[n - 1].0, e(n - 1)),
+            _ => {
+                let k = pts.iter().position(|p| p.0 > x).unwrap_or(n - 1);
+                let ((x0, s0), (x1, s1)) = (pts[k - 1], pts[k]);
+                let f = (x - x0) / (x1 - x0);
+                (s0 + f * (s1 - s0), e(k - 1) + f * (e(k) - e(k - 1)))
+            }
+        }
+    }
+
+    /// `S₁(0)`: the line through the first two points at 0 (at least 0).
+    pub fn overhead(&self) -> f64 {
+        match self.points[..] {
+            [(x0, s0), (x1, s1), ..] if x1 > x0 => (s0 - (s1 - s0) / (x1 - x0) * x0).max(0.0),
+            _ => 0.0,
+        }
+    }
+
+    /// FLOP/s of one thread at the largest size, and beyond.
+    pub fn rate(&self) -> f64 {
+        self.points.last().map_or(0.0, |&(x, s)| x / s)
+    }
+}
+
+/// This machine's rates: what [`predict_step_time`] divides the work by.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TimeModel {
+    /// A part's time against its FLOPs, at a few widths, by increasing width.
+    pub curves: Vec<PartCurve>,
+    /// FLOP/s of one compute thread at the largest size of the widest curve (`r`).
     pub flops_per_s_per_thread: f64,
-    /// Seconds of a part with no FLOPs (`o`, the curve at 0): kernel launches, graph
-    /// bookkeeping, what keeps small layers from their FLOP rate.
+    /// Seconds of a part with no FLOPs on the narrowest curve (`o`).
     pub overhead_per_part_s: f64,
     /// The forward's share of a part's forward and backward time (`φ`).
     pub forward_fraction: f64,
@@ -190,7 +240,8 @@ pub fn predict_step_time<M: Model>(
         .iter()
         .map(|p| {
             let k = parts(p);
-            let compute = k * tm.part_seconds(tokens * flops(p) / (cfg.tp as f64 * k), threads);
+            let x = tokens * flops(p) / (cfg.tp as f64 * k);
+            let compute = k * tm.part_seconds(m.width(), x, threads);
             let layers = p.blocks.len() as f64;
             let mut fwd = 2.0 * layers * all_reduce(activation);
             let mut bwd = fwd;
@@ -306,13 +357,16 @@ fn fastest<E>(reps: usize, mut f: impl FnMut() -> Result<(), E>) -> Result<f64, 
 }
 
 impl TimeModel {
-    /// A rate `r` per thread and a fixed `o` per part, nothing gained from more threads:
-    /// `S₁(x) = o + x / r` (for tests and back-of-the-envelope models).
+    /// A rate `r` per thread and a fixed `o` per part at any width, nothing gained from
+    /// more threads: `S₁(x) = o + x / r` (for tests and back-of-the-envelope models).
     pub fn linear(flops_per_s_per_thread: f64, overhead_per_part_s: f64) -> TimeModel {
         let s = |x: f64| overhead_per_part_s + x / flops_per_s_per_thread;
         TimeModel {
-            part_times: vec![(1e6, s(1e6)), (1e30, s(1e30))],
-            thread_efficiency: vec![0.0, 0.0],
+            curves: vec![PartCurve {
+                width: 1,
+                points: vec![(1e6, s(1e6)), (1e30, s(1e30))],
+                thread_efficiency: vec![0.0, 0.0],
+            }],
             flops_per_s_per_thread,
             overhead_per_part_s,
             forward_fraction: 1.0 / 3.0,
@@ -328,83 +382,87 @@ impl TimeModel {
         }
     }
 
-    /// Seconds of one part of `flops` FLOPs on a worker of `threads` threads:
-    /// `S₁(x) / (1 + e(x) · (t − 1))`, `S₁` and `e` interpolated linearly between the
-    /// measured sizes; below the first, `S₁` follows the line through the first two
-    /// (from `o` at 0) and `e` is the first's; above the last, `S₁ = x / r` and `e` is
-    /// the last's.
-    pub fn part_seconds(&self, flops: f64, threads: usize) -> f64 {
-        let pts = &self.part_times;
-        let n = pts.len();
-        let (seconds, eff) = if n < 2 || flops <= pts[0].0 {
-            let (x0, s0) = pts.first().copied().unwrap_or((0.0, 0.0));
-            let line = if x0 > 0.0 {
-                self.overhead_per_part_s + (s0 - self.overhead_per_part_s) * flops / x0
-            } else {
-                s0
-            };
-            (line, self.thread_efficiency.first().copied().unwrap_or(0.0))
-        } else if flops >= pts[n - 1].0 {
-            (
-                flops / self.flops_per_s_per_thread,
-                self.thread_efficiency.last().copied().unwrap_or(0.0),
-            )
-        } else {
-            let k = pts.iter().position(|p| p.0 > flops).unwrap_or(n - 1);
-            let ((x0, s0), (x1, s1)) = (pts[k - 1], pts[k]);
-            let f = (flops - x0) / (x1 - x0);
-            let e = |i: usize| self.thread_efficiency.get(i).copied().unwrap_or(0.0);
-            (s0 + f * (s1 - s0), e(k - 1) + f * (e(k) - e(k - 1)))
+    /// Seconds of one part of `flops` FLOPs of a model of `width` (`None`: the widest
+    /// curve's) on a worker of `threads` threads: `S₁(x) / (1 + e(x) · (t − 1))` on each
+    /// curve ([`PartCurve`]), interpolated linearly in `log(width)` between the two
+    /// curves around `width` (the nearest one outside them).
+    pub fn part_seconds(&self, width: Option<usize>, flops: f64, threads: usize) -> f64 {
+        let on = |c: &PartCurve| {
+            let (s, e) = c.at(flops);
+            s.max(0.0) / (1.0 + e * (threads.max(1) - 1) as f64)
         };
-        seconds.max(0.0) / (1.0 + eff * (threads.max(1) - 1) as f64)
+        let (Some(first), Some(last)) = (self.curves.first(), self.curves.last()) else {
+            return 0.0;
+        };
+        let w = width.map_or(last.width, |w| w.max(1)) as f64;
+        match self.curves.iter().position(|c| c.width as f64 >= w) {
+            None => on(last),
+            Some(0) => on(first),
+            Some(k) => {
+                let (a, b) = (&self.curves[k - 1], &self.curves[k]);
+                let (la, lb) = ((a.width as f64).ln(), (b.width as f64).ln());
+                let f = (w.ln() - la) / (lb - la);
+                on(a) + f * (on(b) - on(a))
+            }
+        }
     }
 
     /// Measures this machine's rates for the `ops` kernels, in a few seconds: one
-    /// microbatch's forward and backward of 2-layer GPTs at five sizes, on one thread
-    /// and on two when there are two cores (the curve `S₁`, `o`, `r`, `e` and the
-    /// forward's share `φ`), AdamW with the gradient norm and clipping over a million
+    /// microbatch's forward and backward of 2-layer GPTs of widths 32, 128 and 256 at
+    /// two or three lengths each, on one thread and on two when there are two cores
+    /// (the curves `S₁` and `e`), the forward's share `φ` at one size, AdamW with the gradient norm and clipping over a million
     /// parameters (`a`), and messages and all-reduces of three sizes between two ranks
     /// of the in-process threads backend (`α`, `β`, least squares).
     pub fn calibrate(ops: OpsBackend) -> Result<TimeModel, TrainError> {
-        // (d, T, sequences): from launch-bound to FLOP-bound, the shapes of small runs.
-        let sizes = [
-            (32, 16, 1),
-            (32, 16, 8),
-            (128, 64, 2),
-            (128, 64, 8),
-            (256, 128, 2),
+        // Per width d: (T, sequences per microbatch), from launch-bound to FLOP-bound.
+        let grid: [(usize, &[(usize, usize)]); 3] = [
+            (32, &[(16, 1), (16, 8), (16, 32)]),
+            (128, &[(64, 1), (64, 4), (64, 16)]),
+            (256, &[(128, 1), (128, 4)]),
         ];
         let time_all = |threads: usize| {
             on_pool(threads, || {
-                sizes
-                    .iter()
-                    .map(|&(d, t, b)| time_gpt(ops, d, t, b))
+                grid.iter()
+                    .map(|&(d, sizes)| {
+                        sizes
+                            .iter()
+                            .map(|&(t, b)| time_gpt(ops, d, t, b))
+                            .collect::<Result<Vec<_>, _>>()
+                    })
                     .collect::<Result<Vec<_>, _>>()
             })
         };
         let one = time_all(1)?;
-        let part_times: Vec<(f64, f64)> = one
-            .iter()
-            .map(|r| (r.flops / r.parts, r.seconds / r.parts))
-            .collect();
-        let thread_efficiency = match threads::available_cores() >= 2 {
-            true => time_all(2)?
-                .iter()
-                .zip(&one)
-                .map(|(two, one)| (one.seconds / two.seconds - 1.0).clamp(0.0, 1.0))
-                .collect(),
-            false => vec![0.0; sizes.len()],
+        let two = match threads::available_cores() >= 2 {
+            true => Some(time_all(2)?),
+            false => None,
         };
-        let (n, (x0, s0), (x1, s1)) = (part_times.len(), part_times[0], part_times[1]);
-        let (xn, sn) = part_times[n - 1];
-        let mid = &one[2];
+        let curves: Vec<PartCurve> = grid
+            .iter()
+            .enumerate()
+            .map(|(i, &(width, _))| PartCurve {
+                width,
+                points: one[i]
+                    .iter()
+                    .map(|r| (r.flops / r.parts, r.seconds / r.parts))
+                    .collect(),
+                thread_efficiency: match &two {
+                    Some(two) => two[i]
+                        .iter()
+                        .zip(&one[i])
+                        .map(|(two, one)| (one.seconds / two.seconds - 1.0).clamp(0.0, 1.0))
+                        .collect(),
+                    None => vec![0.0; one[i].len()],
+                },
+            })
+            .collect();
+        let forward_fraction = on_pool(1, || time_forward_fraction(ops, 128, 64, 4))?;
         let (p2p, collective) = time_comm()?;
         Ok(TimeModel {
-            flops_per_s_per_thread: xn / sn,
-            overhead_per_part_s: (s0 - (s1 - s0) / (x1 - x0) * x0).max(0.0),
-            forward_fraction: (mid.forward / mid.seconds).clamp(0.05, 0.95),
-            part_times,
-            thread_efficiency,
+            flops_per_s_per_thread: curves[curves.len() - 1].rate(),
+            overhead_per_part_s: curves[0].overhead(),
+            curves,
+            forward_fraction,
             optimizer_s_per_param: on_pool(1, time_optimizer)?,
             p2p,
             collective,
@@ -438,6 +496,17 @@ struct Timed {
 /// Forward and backward of one microbatch of `b` sequences of `t` tokens through a
 /// 2-layer GPT of width `d`, on the current thread pool.
 fn time_gpt(ops: OpsBackend, d: usize, t: usize, b: usize) -> Result<Timed, TrainError> {
+    time_gpt_with(ops, d, t, b, false)
+}
+
+/// [`time_gpt`], and the forward alone when `forward`.
+fn time_gpt_with(
+    ops: OpsBackend,
+    d: usize,
+    t: usize,
+    b: usize,
+    forward: bool,
+) -> Result<Timed, TrainError> {
     let cfg = GptConfig {
         vocab_size: 256,
         block_size: t,
@@ -470,10 +539,19 @@ fn time_gpt(ops: OpsBackend, d: usize, t: usize, b: usize) -> Result<Timed, Trai
     let reps = 3;
     Ok(Timed {
         seconds: fastest(reps, || step(true))?,
-        forward: fastest(reps, || step(false))?,
+        forward: match forward {
+            true => fastest(reps, || step(false))?,
+            false => 0.0,
+        },
         flops: (b * t) as f64 * stage_flops(&costs, &plan),
         parts: (plan.blocks.len() + 2) as f64,
     })
+}
+
+/// The forward's share of a microbatch's forward and backward time (`φ`).
+fn time_forward_fraction(ops: OpsBackend, d: usize, t: usize, b: usize) -> Result<f64, TrainError> {
+    let run = time_gpt_with(ops, d, t, b, true)?;
+    Ok((run.forward / run.seconds).clamp(0.05, 0.95))
 }
 
 /// Seconds per parameter of the step's end: sum of squares, clipping, AdamW.
@@ -545,8 +623,9 @@ mod tests {
 
     /// Round numbers: 1 GFLOP/s a thread, no overhead, 1 ms and 1 GB/s per collective.
     fn tm() -> TimeModel {
+        let mut tm = TimeModel::linear(1e9, 0.0);
+        tm.curves[0].thread_efficiency = vec![1.0, 1.0];
         TimeModel {
-            thread_efficiency: vec![1.0, 1.0],
             p2p: AlphaBeta {
                 alpha_s: 0.0,
                 bytes_per_s: 1e9,
@@ -555,7 +634,7 @@ mod tests {
                 alpha_s: 1e-3,
                 bytes_per_s: 1e9,
             },
-            ..TimeModel::linear(1e9, 0.0)
+            ..tm
         }
     }
 
@@ -594,10 +673,8 @@ mod tests {
         };
         let half = predict_step_time(&two, &tm()).unwrap().seconds;
         assert!((half - want / 2.0).abs() < 1e-12 * want);
-        let flat = TimeModel {
-            thread_efficiency: vec![0.0, 0.0],
-            ..tm()
-        };
+        let mut flat = tm();
+        flat.curves[0].thread_efficiency = vec![0.0, 0.0];
         assert_eq!(predict_step_time(&two, &flat).unwrap().seconds, s.seconds);
     }
 
@@ -669,27 +746,46 @@ mod tests {
     }
 
     #[test]
-    fn a_part_is_timed_on_the_measured_curve() {
-        let tm = TimeModel {
-            part_times: vec![(1e6, 2e-3), (2e6, 3e-3), (4e6, 4e-3)],
+    fn a_part_is_timed_on_the_measured_curves() {
+        let narrow = PartCurve {
+            width: 16,
+            points: vec![(1e6, 2e-3), (2e6, 3e-3), (4e6, 4e-3)],
             thread_efficiency: vec![0.0, 0.5, 1.0],
-            flops_per_s_per_thread: 1e9,
-            overhead_per_part_s: 1e-3,
+        };
+        let tm = TimeModel {
+            curves: vec![narrow.clone()],
             ..TimeModel::linear(1.0, 0.0)
         };
         let close = |a: f64, b: f64| (a - b).abs() < 1e-15;
-        // At and between the points; below the first along the first two's line, above
-        // the last at r.
-        assert!(close(tm.part_seconds(2e6, 1), 3e-3));
-        assert!(close(tm.part_seconds(3e6, 1), 3.5e-3));
-        assert!(close(tm.part_seconds(0.0, 1), 1e-3));
-        assert!(close(tm.part_seconds(5e5, 1), 1.5e-3));
-        assert!(close(tm.part_seconds(5e6, 1), 5e-3));
+        let at = |x: f64, t: usize| tm.part_seconds(Some(16), x, t);
+        // At and between the points; below the first along the first two's line (from
+        // o = 1 ms), above the last in proportion.
+        assert!(close(narrow.overhead(), 1e-3) && close(narrow.rate(), 1e9));
+        assert!(close(at(2e6, 1), 3e-3));
+        assert!(close(at(3e6, 1), 3.5e-3));
+        assert!(close(at(0.0, 1), 1e-3));
+        assert!(close(at(5e5, 1), 1.5e-3));
+        assert!(close(at(8e6, 1), 8e-3));
         // A second thread: nothing on the smallest, half of its time on the largest,
         // interpolated between, the largest's beyond.
-        assert!(close(tm.part_seconds(1e6, 2), 2e-3));
-        assert!(close(tm.part_seconds(3e6, 2), 3.5e-3 / 1.75));
-        assert!(close(tm.part_seconds(5e6, 3), 5e-3 / 3.0));
+        assert!(close(at(1e6, 2), 2e-3));
+        assert!(close(at(3e6, 2), 3.5e-3 / 1.75));
+        assert!(close(at(8e6, 3), 8e-3 / 3.0));
+        // Two widths: geometric interpolation between them, the nearest outside.
+        let wide = PartCurve {
+            width: 64,
+            points: vec![(1e6, 1e-3), (4e6, 2e-3)],
+            thread_efficiency: vec![0.0, 0.0],
+        };
+        let tm = TimeModel {
+            curves: vec![narrow, wide],
+            ..tm
+        };
+        let x = 4e6;
+        assert!(close(tm.part_seconds(Some(32), x, 1), 3e-3));
+        assert!(close(tm.part_seconds(Some(8), x, 1), 4e-3));
+        assert!(close(tm.part_seconds(Some(128), x, 1), 2e-3));
+        assert!(close(tm.part_seconds(None, x, 1), 2e-3));
     }
 
     #[test]
