@@ -344,11 +344,16 @@ fn fit_line(points: &[(f64, f64)]) -> (f64, f64) {
     (my - slope * mx, slope)
 }
 
-/// The fastest of `reps` timings of `f`, in seconds, after one untimed run.
+/// The fastest of at least `reps` timings of `f`, in seconds, after one untimed run;
+/// short ones are repeated for up to 50 ms (at most 100 times), so that the fastest of
+/// them is not a scheduler's accident.
 fn fastest<E>(reps: usize, mut f: impl FnMut() -> Result<(), E>) -> Result<f64, E> {
     f()?;
-    let mut best = f64::INFINITY;
-    for _ in 0..reps {
+    let (start, mut best) = (Instant::now(), f64::INFINITY);
+    for i in 0..100 {
+        if i >= reps && start.elapsed().as_secs_f64() > 0.05 {
+            break;
+        }
         let t0 = Instant::now();
         f()?;
         best = best.min(t0.elapsed().as_secs_f64());
