@@ -43,12 +43,14 @@
 //!   and the bubble (the idle fraction it reports).
 //! * **After the pipeline**, on the slowest rank: the data-parallel gradient all-reduce in
 //!   `⌈4 · N_r / bucket⌉` buckets, `Σ A_dp(bucket)`; the optimizer (AdamW, the gradient
-//!   norm and the clipping), `N_r · a` with `a` measured per parameter; and the world's
-//!   all-gather of the losses, one `α_c`. `N_r`, a rank's parameters, is the model's
-//!   `param_count` times the rank's share of the model's FLOPs, over `tp`.
+//!   norm and the clipping), `N_r · a + K_r · a_t` with `a` measured per parameter and
+//!   `a_t` per parameter tensor; and the world's all-gather of the losses, one `α_c`.
+//!   `N_r` and `K_r`, a rank's parameters and parameter tensors, are the model's
+//!   ([`Model::param_shapes`]) times the rank's share of the model's FLOPs, over `tp`
+//!   for `N_r` (every tensor-parallel rank holds a shard of every tensor).
 //!
-//! Step time `= M + max_r (A_dp + N_r · a) + [workers > 1] · α_c` (`A_dp = 0` without
-//! data parallelism).
+//! Step time `= M + max_r (A_dp + N_r · a + K_r · a_t) + [workers > 1] · α_c` (`A_dp =
+//! 0` without data parallelism).
 //!
 //! A model whose [`Model::costs`] are relative weights rather than FLOPs (the trait's
 //! default) gets times in those units divided by the rate: meaningless. The GPT's are
@@ -172,6 +174,9 @@ pub struct TimeModel {
     pub forward_fraction: f64,
     /// Seconds per parameter of the step's end: gradient norm, clipping, AdamW (`a`).
     pub optimizer_s_per_param: f64,
+    /// Seconds per parameter tensor of the step's end, besides its elements (`a_t`).
+    #[serde(default)]
+    pub optimizer_s_per_tensor: f64,
     /// Pipeline messages, one way (a send and its receive).
     pub p2p: AlphaBeta,
     /// All-reduces on 2 ranks.
@@ -277,9 +282,14 @@ pub fn predict_step_time<M: Model>(
     let timeline = simulate_by_stage(&program, &stage_costs)?;
     // Per pipeline rank: compute, tp all-reduces, parameters.
     let total_flops = costs.embed + costs.blocks.iter().sum::<f64>() + costs.head;
-    let params = m.param_count() as f64;
+    let shapes = m.param_shapes()?;
+    let tensors = shapes.len() as f64;
+    let params = shapes
+        .iter()
+        .map(|(_, s)| s.iter().product::<usize>() as f64)
+        .sum::<f64>();
     let mb = cfg.microbatches as f64;
-    let ranks: Vec<(f64, f64, f64)> = (0..program.num_ranks() as u32)
+    let ranks: Vec<(f64, f64, f64, f64)> = (0..program.num_ranks() as u32)
         .map(|r| {
             let mine = program.stages_of_rank(r);
             let sum = |f: &dyn Fn(usize) -> f64| mine.iter().map(|&s| f(s as usize)).sum::<f64>();
@@ -288,6 +298,7 @@ pub fn predict_step_time<M: Model>(
                 mb * sum(&|s| stages[s].0),
                 mb * sum(&|s| stages[s].1 + stages[s].2),
                 params * share / cfg.tp as f64,
+                tensors * share,
             )
         })
         .collect();
@@ -295,17 +306,20 @@ pub fn predict_step_time<M: Model>(
         .max_by(|&a, &b| timeline.ranks[a].busy.total_cmp(&timeline.ranks[b].busy))
         .unwrap_or(0);
     let bucket = (cfg.bucket_mib * 1024.0 * 1024.0).max(4.0);
-    let after = |n: f64| {
+    let after = |n: f64, k: f64| {
         let bytes = 4.0 * n;
         // Each bucket pays the latency; together they move the bytes once.
         let latency = tm.collective.all_reduce(0.0, cfg.dp);
         let dp = (bytes / bucket).ceil().max(1.0) * latency
             + (tm.collective.all_reduce(bytes, cfg.dp) - latency);
-        (dp, n * tm.optimizer_s_per_param)
+        (
+            dp,
+            n * tm.optimizer_s_per_param + k * tm.optimizer_s_per_tensor,
+        )
     };
     let slowest = ranks
         .iter()
-        .map(|r| after(r.2))
+        .map(|r| after(r.2, r.3))
         .max_by(|a, b| (a.0 + a.1).total_cmp(&(b.0 + b.1)))
         .unwrap_or((0.0, 0.0));
     let gather = if cfg.world_size() > 1 {
@@ -376,6 +390,7 @@ impl TimeModel {
             overhead_per_part_s,
             forward_fraction: 1.0 / 3.0,
             optimizer_s_per_param: 0.0,
+            optimizer_s_per_tensor: 0.0,
             p2p: AlphaBeta {
                 alpha_s: 0.0,
                 bytes_per_s: 1e15,
@@ -462,13 +477,18 @@ impl TimeModel {
             })
             .collect();
         let forward_fraction = on_pool(1, || time_forward_fraction(ops, 128, 64, 4))?;
+        // A million parameters in 4 tensors, then in 256: per element, per tensor.
+        let (few, many) = on_pool(1, || Ok((time_optimizer(4)?, time_optimizer(256)?)))?;
+        let optimizer_s_per_param = few / (1 << 20) as f64;
+        let optimizer_s_per_tensor = ((many - few) / 252.0).max(0.0);
         let (p2p, collective) = time_comm()?;
         Ok(TimeModel {
             flops_per_s_per_thread: curves[curves.len() - 1].rate(),
             overhead_per_part_s: curves[0].overhead(),
             curves,
             forward_fraction,
-            optimizer_s_per_param: on_pool(1, time_optimizer)?,
+            optimizer_s_per_param,
+            optimizer_s_per_tensor,
             p2p,
             collective,
         })
@@ -559,10 +579,11 @@ fn time_forward_fraction(ops: OpsBackend, d: usize, t: usize, b: usize) -> Resul
     Ok((run.forward / run.seconds).clamp(0.05, 0.95))
 }
 
-/// Seconds per parameter of the step's end: sum of squares, clipping, AdamW.
-fn time_optimizer() -> Result<f64, TrainError> {
-    let n = 1 << 18;
-    let params = (0..4)
+/// Seconds of the step's end (sum of squares, clipping, AdamW) over a million
+/// parameters in `tensors` tensors.
+fn time_optimizer(tensors: usize) -> Result<f64, TrainError> {
+    let n = (1 << 20) / tensors;
+    let params = (0..tensors)
         .map(|_| Var::ones(n, DType::F32, &Device::Cpu))
         .collect::<candle_core::Result<Vec<_>>>()?;
     let grads: Vec<Option<Tensor>> = params
@@ -570,7 +591,7 @@ fn time_optimizer() -> Result<f64, TrainError> {
         .map(|p| p.as_tensor().affine(1e-3, 0.0).map(Some))
         .collect::<candle_core::Result<_>>()?;
     let mut opt = AdamW::new(params, AdamWConfig::default());
-    let seconds = fastest(3, || -> Result<(), TrainError> {
+    fastest(3, || -> Result<(), TrainError> {
         let mut clipped = Vec::with_capacity(grads.len());
         for g in grads.iter().flatten() {
             g.sqr()?.sum_all()?.to_scalar::<f32>()?;
@@ -578,8 +599,7 @@ fn time_optimizer() -> Result<f64, TrainError> {
         }
         opt.step(&clipped, 1e-3)?;
         Ok(())
-    })?;
-    Ok(seconds / (4 * n) as f64)
+    })
 }
 
 /// Pipeline messages (ping-pong, one way) and all-reduces between two ranks of the
