@@ -768,6 +768,16 @@ mod tests {
         let want = 1e-3 + bytes / 1e9;
         assert!((s.dp_allreduce_s - want).abs() < 1e-12, "{s:?}");
         assert!((s.seconds - (one.seconds / 2.0 + want + 1e-3)).abs() < 1e-9);
+        // The step's end: per parameter and per tensor, on every replica.
+        let tm = TimeModel {
+            optimizer_s_per_param: 1e-9,
+            optimizer_s_per_tensor: 1e-6,
+            ..tm()
+        };
+        let shapes = GptConfig::tiny(4).param_shapes().unwrap();
+        let want = bytes / 4.0 * 1e-9 + shapes.len() as f64 * 1e-6;
+        let s = predict_step_time(&cfg(2, 1, 1), &tm).unwrap();
+        assert!((s.optimizer_s - want).abs() < 1e-12, "{s:?} {want}");
     }
 
     #[test]
