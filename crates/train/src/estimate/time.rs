@@ -774,7 +774,7 @@ mod tests {
             optimizer_s_per_tensor: 1e-6,
             ..tm()
         };
-        let shapes = GptConfig::tiny(4).param_shapes().unwrap();
+        let shapes = Model::param_shapes(&GptConfig::tiny(4)).unwrap();
         let want = bytes / 4.0 * 1e-9 + shapes.len() as f64 * 1e-6;
         let s = predict_step_time(&cfg(2, 1, 1), &tm).unwrap();
         assert!((s.optimizer_s - want).abs() < 1e-12, "{s:?} {want}");
