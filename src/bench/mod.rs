@@ -270,12 +270,27 @@ impl Row {
     }
 }
 
+/// The model the time model is calibrated on: a 2-layer GPT of width `d` and block
+/// size `t` on `ops`.
+pub fn probe(ops: OpsBackend, d: usize, t: usize) -> GptConfig {
+    GptConfig {
+        vocab_size: 256,
+        block_size: t,
+        n_layer: 2,
+        n_head: 4,
+        d_model: d,
+        tied_embeddings: false,
+        ops,
+    }
+}
+
 /// The time model of each ops backend among `cases`, calibrated on this machine.
 pub fn calibrate(cases: &[&Case]) -> Result<Vec<(OpsBackend, TimeModel)>, BenchError> {
     let mut models: Vec<(OpsBackend, TimeModel)> = Vec::new();
     for c in cases {
         if !models.iter().any(|(ops, _)| *ops == c.ops) {
-            models.push((c.ops, TimeModel::calibrate(c.ops)?));
+            let ops = c.ops;
+            models.push((ops, TimeModel::calibrate(|d, t| probe(ops, d, t))?));
         }
     }
     Ok(models)

@@ -62,7 +62,7 @@ use std::time::Instant;
 use candle_core::{DType, Device, Tensor, Var};
 use serde::{Deserialize, Serialize};
 use switchyard_comm::{local::Launcher, threads, Communicator, ReduceOp};
-use switchyard_models::{plan_stages, GptConfig, Model, OpsBackend, SplitSpec, StagePlan};
+use switchyard_models::{plan_stages, Model, ModelStage, SplitSpec, StagePlan};
 use switchyard_pipeline::Stage;
 use switchyard_schedule::{simulate_by_stage, Costs};
 use switchyard_shard::{single_device, ParamSource, ParamStore};
@@ -427,13 +427,18 @@ impl TimeModel {
         }
     }
 
-    /// Measures this machine's rates for the `ops` kernels, in a few seconds: one
-    /// microbatch's forward and backward of 2-layer GPTs of widths 32, 128 and 256 at
-    /// two or three lengths each, on one thread and on two when there are two cores
-    /// (the curves `S₁` and `e`), the forward's share `φ` at one size, AdamW with the gradient norm and clipping over a million
-    /// parameters (`a`), and messages and all-reduces of three sizes between two ranks
-    /// of the in-process threads backend (`α`, `β`, least squares).
-    pub fn calibrate(ops: OpsBackend) -> Result<TimeModel, TrainError> {
+    /// Measures this machine's rates in a few seconds. `probe(d, T)` is a small model of
+    /// the kind to predict (the same ops backend): 2 layers of width `d`, taking
+    /// sequences of `T` tokens. Timed: one microbatch's forward and backward of the
+    /// probe at widths 32, 128 and 256 and two or three lengths each, on one thread and
+    /// on two when there are two cores (the curves `S₁` and `e`), and the forward alone
+    /// at one size (`φ`); AdamW with the gradient norm and clipping over a million
+    /// parameters in 4 and in 256 tensors (`a`, `a_t`); messages and all-reduces of
+    /// three sizes between two ranks of the in-process threads backend (`α`, `β`, least
+    /// squares).
+    pub fn calibrate<M: Model>(
+        probe: impl Fn(usize, usize) -> M + Sync,
+    ) -> Result<TimeModel, TrainError> {
         // Per width d: (T, sequences per microbatch), from launch-bound to FLOP-bound.
         let grid: [(usize, &[(usize, usize)]); 3] = [
             (32, &[(16, 1), (16, 8), (16, 32)]),
@@ -446,7 +451,7 @@ impl TimeModel {
                     .map(|&(d, sizes)| {
                         sizes
                             .iter()
-                            .map(|&(t, b)| time_gpt(ops, d, t, b))
+                            .map(|&(t, b)| time_probe(&probe(d, t), t, b, false))
                             .collect::<Result<Vec<_>, _>>()
                     })
                     .collect::<Result<Vec<_>, _>>()
@@ -476,7 +481,10 @@ impl TimeModel {
                 },
             })
             .collect();
-        let forward_fraction = on_pool(1, || time_forward_fraction(ops, 128, 64, 4))?;
+        let forward_fraction = on_pool(1, || {
+            let run = time_probe(&probe(128, 64), 64, 4, true)?;
+            Ok((run.forward / run.seconds).clamp(0.05, 0.95))
+        })?;
         // A million parameters in 4 tensors, then in 256: per element, per tensor.
         let (few, many) = on_pool(1, || Ok((time_optimizer(4)?, time_optimizer(256)?)))?;
         let optimizer_s_per_param = few / (1 << 20) as f64;
@@ -508,47 +516,33 @@ fn on_pool<T: Send>(
     })
 }
 
-/// One timed GPT microbatch.
+/// One timed microbatch.
 struct Timed {
     /// Forward and backward, seconds.
     seconds: f64,
-    /// Forward (and the loss) alone.
+    /// Forward (and the loss) alone, when asked for.
     forward: f64,
     flops: f64,
     parts: f64,
 }
 
-/// Forward and backward of one microbatch of `b` sequences of `t` tokens through a
-/// 2-layer GPT of width `d`, on the current thread pool.
-fn time_gpt(ops: OpsBackend, d: usize, t: usize, b: usize) -> Result<Timed, TrainError> {
-    time_gpt_with(ops, d, t, b, false)
-}
-
-/// [`time_gpt`], and the forward alone when `forward`.
-fn time_gpt_with(
-    ops: OpsBackend,
-    d: usize,
-    t: usize,
-    b: usize,
-    forward: bool,
-) -> Result<Timed, TrainError> {
-    let cfg = GptConfig {
-        vocab_size: 256,
-        block_size: t,
-        n_layer: 2,
-        n_head: 4,
-        d_model: d,
-        tied_embeddings: false,
-        ops,
-    };
-    let costs = cfg.costs(t);
+/// Forward and backward of one microbatch of `b` sequences of `t` tokens through the
+/// whole of `model` as one stage, on the current thread pool; the forward alone too
+/// when `forward`.
+fn time_probe<M: Model>(model: &M, t: usize, b: usize, forward: bool) -> Result<Timed, TrainError> {
+    model.validate()?;
+    model.check_layout(1, t)?;
+    let costs = model.costs(t);
     let plan = plan_stages(&costs, 1, &SplitSpec::Even)?.remove(0);
     let store = ParamStore::new(DType::F32, 0, 1, ParamSource::Init { seed: 0 })?;
-    let stage = cfg.stage(&plan, &store, single_device())?;
-    let ids: Vec<u32> = (0..b * t).map(|i| (i * 7 % 256) as u32).collect();
+    let stage = model.stage(&plan, &store, single_device())?;
+    let vocab = model.vocab_size().unwrap_or(256).max(2);
+    let ids: Vec<u32> = (0..b * t).map(|i| (i * 7 % vocab) as u32).collect();
     let x = Tensor::from_vec(ids.clone(), (b, t), &Device::Cpu)?;
     let y = Tensor::from_vec(
-        ids.iter().map(|i| (i + 1) % 256).collect::<Vec<_>>(),
+        ids.iter()
+            .map(|&i| (i + 1) % vocab as u32)
+            .collect::<Vec<_>>(),
         (b, t),
         &Device::Cpu,
     )?;
@@ -571,12 +565,6 @@ fn time_gpt_with(
         flops: (b * t) as f64 * stage_flops(&costs, &plan),
         parts: (plan.blocks.len() + 2) as f64,
     })
-}
-
-/// The forward's share of a microbatch's forward and backward time (`φ`).
-fn time_forward_fraction(ops: OpsBackend, d: usize, t: usize, b: usize) -> Result<f64, TrainError> {
-    let run = time_gpt_with(ops, d, t, b, true)?;
-    Ok((run.forward / run.seconds).clamp(0.05, 0.95))
 }
 
 /// Seconds of the step's end (sum of squares, clipping, AdamW) over a million
