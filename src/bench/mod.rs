@@ -544,6 +544,31 @@ mod tests {
         }
     }
 
+    /// Calibration runs and every row of every preset gets a finite, positive prediction
+    /// with its breakdown (no timing is asserted: the machine decides).
+    #[test]
+    fn the_time_model_calibrates_and_predicts_every_row() {
+        let models = calibrate(&[&cases(&Preset::named("tiny").unwrap())[0]]).unwrap();
+        assert_eq!(models.len(), 1);
+        let tm = &models[0].1;
+        assert!(tm.flops_per_s_per_thread > 0.0 && tm.curves.len() == 3);
+        for name in ["reference", "small", "tiny"] {
+            let p = Preset::named(name).unwrap();
+            for c in cases(&p) {
+                let s = predict_step_time(&config(&p, &c), tm).unwrap();
+                assert!(
+                    s.seconds.is_finite() && s.seconds > 0.0,
+                    "{name} {}: {s:?}",
+                    c.name
+                );
+                assert!(s.compute_s > 0.0 && s.seconds >= s.pipeline_s, "{s:?}");
+                assert_eq!(s.bubble_fraction > 0.0, c.pp > 1, "{name} {}", c.name);
+                assert_eq!(s.tp_comm_s > 0.0, c.tp > 1, "{name} {}", c.name);
+                assert_eq!(s.dp_allreduce_s > 0.0, c.dp > 1, "{name} {}", c.name);
+            }
+        }
+    }
+
     #[test]
     fn the_tiny_preset_runs_and_reports() {
         let p = Preset::named("tiny").unwrap();
