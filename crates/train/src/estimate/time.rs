@@ -33,7 +33,8 @@
 //!   and the parallel cross-entropy twice (max and sum, `n · 4` bytes) in the forward.
 //!   An all-reduce of `x` bytes over `k` ranks takes
 //!   `A_k(x) = (k − 1) · α_c + 2 · (k − 1)/k · x / β_c` (a ring's latency and volume;
-//!   `α_c`, `β_c` measured on 2 ranks, where it is `α_c + x / β_c`). These terms are added
+//!   `α_c`, `β_c` measured on 2 ranks, where it is `α_c + x / β_c`, with one rank
+//!   arriving late, as in training, so that `α` includes waking the waiting one). These terms are added
 //!   to the stage's forward and backward times.
 //! * **Pipeline messages**: every send and every receive of the lowered program takes
 //!   `P(n · w · 4) / 2`, `P(x) = α_p + x / β_p` the measured one-way time of a message
@@ -604,34 +605,40 @@ fn time_optimizer(tensors: usize) -> Result<f64, TrainError> {
     })
 }
 
-/// Pipeline messages (ping-pong, one way) and all-reduces between two ranks of the
-/// threads backend, each fitted through three sizes.
+/// Pipeline messages (one way) and all-reduces between two ranks of the threads
+/// backend, each fitted through three sizes. As in training, one rank comes late: rank
+/// 1 computes for [`LATE`] first, so rank 0 waits in the operation and is woken by it,
+/// and the time rank 0 measures, less [`LATE`], includes that wake-up (the median of
+/// 20: a tight loop with both ranks awake would time only the copy).
 fn time_comm() -> Result<(AlphaBeta, AlphaBeta), TrainError> {
     let sizes = [1usize << 8, 1 << 14, 1 << 18];
-    let reps = 20;
     let per_rank = Launcher::new(2).threads_per_worker(1).run(
         |comm: Arc<dyn Communicator>| -> Result<Vec<(f64, f64, f64)>, TrainError> {
             let me = comm.rank();
             let mut out = Vec::new();
             for (k, &n) in sizes.iter().enumerate() {
                 let x = Tensor::ones(n, DType::F32, &Device::Cpu)?;
-                let mut tag = (k * 1000) as u64;
-                let mut ping = || -> Result<(), TrainError> {
-                    tag += 1;
-                    if me == 0 {
-                        comm.send(&x, 1, tag)?;
-                        comm.recv(1, tag)?;
+                let (mut p2p, mut reduce) = (Vec::new(), Vec::new());
+                for rep in 0..20u64 {
+                    let tag = (k as u64) * 1000 + rep;
+                    comm.barrier()?;
+                    let t0 = Instant::now();
+                    if me == 1 {
+                        spin(LATE);
+                        comm.send(&x, 0, tag)?;
                     } else {
-                        let y = comm.recv(0, tag)?;
-                        comm.send(&y, 0, tag)?;
+                        comm.recv(1, tag)?;
                     }
-                    Ok(())
-                };
-                comm.barrier()?;
-                let p2p = fastest(reps, &mut ping)? / 2.0;
-                comm.barrier()?;
-                let reduce = fastest(reps, || comm.all_reduce(&x, ReduceOp::Sum).map(|_| ()))?;
-                out.push(((4 * n) as f64, p2p, reduce));
+                    p2p.push(t0.elapsed().as_secs_f64() - LATE);
+                    comm.barrier()?;
+                    let t0 = Instant::now();
+                    if me == 1 {
+                        spin(LATE);
+                    }
+                    comm.all_reduce(&x, ReduceOp::Sum)?;
+                    reduce.push(t0.elapsed().as_secs_f64() - LATE);
+                }
+                out.push(((4 * n) as f64, median(p2p), median(reduce)));
             }
             Ok(out)
         },
@@ -641,6 +648,22 @@ fn time_comm() -> Result<(AlphaBeta, AlphaBeta), TrainError> {
         AlphaBeta::fit(&rank0.iter().map(|r| (r.0, r.1)).collect::<Vec<_>>()),
         AlphaBeta::fit(&rank0.iter().map(|r| (r.0, r.2)).collect::<Vec<_>>()),
     ))
+}
+
+/// How late rank 1 comes to each timed message and all-reduce, in seconds.
+const LATE: f64 = 300e-6;
+
+/// Busy for `seconds` (computing, as a rank between two operations).
+fn spin(seconds: f64) {
+    let t0 = Instant::now();
+    while t0.elapsed().as_secs_f64() < seconds {
+        std::hint::spin_loop();
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(0.0)
 }
 
 #[cfg(test)]
