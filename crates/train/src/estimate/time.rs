@@ -606,39 +606,58 @@ fn time_optimizer(tensors: usize) -> Result<f64, TrainError> {
 }
 
 /// Pipeline messages (one way) and all-reduces between two ranks of the threads
-/// backend, each fitted through three sizes. As in training, one rank comes late: rank
-/// 1 computes for [`LATE`] first, so rank 0 waits in the operation and is woken by it,
-/// and the time rank 0 measures, less [`LATE`], includes that wake-up (the median of
-/// 20: a tight loop with both ranks awake would time only the copy).
+/// backend, each fitted through three sizes, timed on rank 0's clock with a waiting
+/// partner, as in training (a tight loop with both ranks awake would time only the
+/// copy): a message goes to rank 1, which computes for [`LATE`] and sends it back, so
+/// that each way wakes a sleeping receiver, `P = (round trip − LATE) / 2`; for an
+/// all-reduce, rank 0 starts rank 1 with a one-float message and enters the
+/// all-reduce, which rank 1 joins [`LATE`] later, `A = elapsed − LATE − P(4 bytes)`.
+/// Medians of 20.
 fn time_comm() -> Result<(AlphaBeta, AlphaBeta), TrainError> {
     let sizes = [1usize << 8, 1 << 14, 1 << 18];
     let per_rank = Launcher::new(2).threads_per_worker(1).run(
         |comm: Arc<dyn Communicator>| -> Result<Vec<(f64, f64, f64)>, TrainError> {
             let me = comm.rank();
+            let token = Tensor::ones(1, DType::F32, &Device::Cpu)?;
+            let mut tag = 0u64;
+            let mut round_trip = |x: &Tensor| -> Result<f64, TrainError> {
+                tag += 1;
+                let t0 = Instant::now();
+                if me == 0 {
+                    comm.send(x, 1, tag)?;
+                    comm.recv(1, tag)?;
+                } else {
+                    let y = comm.recv(0, tag)?;
+                    spin(LATE);
+                    comm.send(&y, 0, tag)?;
+                }
+                Ok((t0.elapsed().as_secs_f64() - LATE) / 2.0)
+            };
+            let one_way = |x: &Tensor, rt: &mut dyn FnMut(&Tensor) -> Result<f64, TrainError>| {
+                (0..20)
+                    .map(|_| rt(x))
+                    .collect::<Result<Vec<_>, _>>()
+                    .map(median)
+            };
+            let start = one_way(&token, &mut round_trip)?;
             let mut out = Vec::new();
             for (k, &n) in sizes.iter().enumerate() {
                 let x = Tensor::ones(n, DType::F32, &Device::Cpu)?;
-                let (mut p2p, mut reduce) = (Vec::new(), Vec::new());
+                let p2p = one_way(&x, &mut round_trip)?;
+                let mut reduce = Vec::new();
                 for rep in 0..20u64 {
-                    let tag = (k as u64) * 1000 + rep;
-                    comm.barrier()?;
+                    let tag = 1_000_000 * (k as u64 + 1) + rep;
                     let t0 = Instant::now();
-                    if me == 1 {
-                        spin(LATE);
-                        comm.send(&x, 0, tag)?;
+                    if me == 0 {
+                        comm.send(&token, 1, tag)?;
                     } else {
-                        comm.recv(1, tag)?;
-                    }
-                    p2p.push(t0.elapsed().as_secs_f64() - LATE);
-                    comm.barrier()?;
-                    let t0 = Instant::now();
-                    if me == 1 {
+                        comm.recv(0, tag)?;
                         spin(LATE);
                     }
                     comm.all_reduce(&x, ReduceOp::Sum)?;
-                    reduce.push(t0.elapsed().as_secs_f64() - LATE);
+                    reduce.push(t0.elapsed().as_secs_f64() - LATE - start);
                 }
-                out.push(((4 * n) as f64, median(p2p), median(reduce)));
+                out.push(((4 * n) as f64, p2p, median(reduce)));
             }
             Ok(out)
         },
@@ -650,7 +669,8 @@ fn time_comm() -> Result<(AlphaBeta, AlphaBeta), TrainError> {
     ))
 }
 
-/// How late rank 1 comes to each timed message and all-reduce, in seconds.
+/// How long rank 1 computes before it answers a timed message or joins a timed
+/// all-reduce, in seconds.
 const LATE: f64 = 300e-6;
 
 /// Busy for `seconds` (computing, as a rank between two operations).
