@@ -689,6 +689,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use switchyard_models::GptConfig;
     use switchyard_schedule::{simulate, ScheduleChoice, ScheduleKind};
 
     /// Round numbers: 1 GFLOP/s a thread, no overhead, 1 ms and 1 GB/s per collective.
