@@ -215,10 +215,8 @@ pub fn predict_step_time<M: Model>(
     m.validate()?;
     m.check_layout(cfg.tp, cfg.seq_len)?;
     cfg.mesh().validate()?;
-    if cfg.microbatches == 0
-        || cfg.batch == 0
-        || !cfg.batch.is_multiple_of(cfg.dp * cfg.microbatches)
-    {
+    let split = cfg.dp.checked_mul(cfg.microbatches).unwrap_or(0);
+    if split == 0 || cfg.batch == 0 || !cfg.batch.is_multiple_of(split) {
         return Err(err!(
             Config,
             "--batch {} does not split into --dp {} × --microbatches {} (each at least 1): \
