@@ -20,8 +20,11 @@
 //!   largest's rate `r = x_n / S₁(x_n)`: a marginal slope extrapolates badly). A worker
 //!   of `t` threads takes `S_t(x) = S₁(x) / (1 + e(x) · (t − 1))`, `e(x)` the measured
 //!   gain of a second thread at that size (small parts do not split), interpolated the
-//!   same way. Between the calibrated widths, `S_t` is interpolated linearly in
-//!   `log w`; outside them, the nearest width's curve is used.
+//!   same way. When other workers compute on the machine's other cores at the same
+//!   time, a part is slower by `c(x) ≥ 1`, measured with two workers computing at once
+//!   (shared caches and memory bandwidth, the allocator). Between the calibrated
+//!   widths, `S_t` is interpolated linearly in `log w`; outside them, the nearest
+//!   width's curve is used.
 //! * **Stage `s`**, one microbatch, forward and backward together, on each of the `tp`
 //!   ranks: `C_s = k_s · S_t(n · F_s / (tp · k_s))`, `F_s = Σ_{ℓ∈s} c_ℓ + [first] c_e +
 //!   [last] c_h` and `k_s` the parts the stage runs (its parts taken at their mean size,
@@ -122,28 +125,35 @@ pub struct PartCurve {
     /// What a second thread adds at each of those sizes, as a fraction of the first
     /// (`e`: 0 gains nothing, 1 halves the time).
     pub thread_efficiency: Vec<f64>,
+    /// How much slower each size runs on one thread while another worker computes on
+    /// another core at the same time (`c ≥ 1`: shared caches, memory bandwidth, the
+    /// allocator); empty: 1.
+    #[serde(default)]
+    pub concurrent_slowdown: Vec<f64>,
 }
 
 impl PartCurve {
-    /// `(S₁(x), e(x))` on this curve: interpolated linearly between the points; below
-    /// the first along the line through the first two (`e` the first's), above the last
-    /// in proportion to `x` (`e` the last's).
-    fn at(&self, x: f64) -> (f64, f64) {
+    /// `(S₁(x), e(x), c(x))` on this curve: interpolated linearly between the points;
+    /// below the first along the line through the first two (`e`, `c` the first's),
+    /// above the last in proportion to `x` (`e`, `c` the last's).
+    fn at(&self, x: f64) -> (f64, f64, f64) {
         let (pts, n) = (&self.points, self.points.len());
         let e = |i: usize| self.thread_efficiency.get(i).copied().unwrap_or(0.0);
+        let c = |i: usize| self.concurrent_slowdown.get(i).copied().unwrap_or(1.0);
         match n {
-            0 => (0.0, 0.0),
-            1 => (pts[0].1 * x / pts[0].0, e(0)),
+            0 => (0.0, 0.0, 1.0),
+            1 => (pts[0].1 * x / pts[0].0, e(0), c(0)),
             _ if x <= pts[0].0 => {
                 let o = self.overhead();
-                (o + (pts[0].1 - o) * x / pts[0].0, e(0))
+                (o + (pts[0].1 - o) * x / pts[0].0, e(0), c(0))
             }
-            _ if x >= pts[n - 1].0 => (pts[n - 1].1 * x / pts[n - 1].0, e(n - 1)),
+            _ if x >= pts[n - 1].0 => (pts[n - 1].1 * x / pts[n - 1].0, e(n - 1), c(n - 1)),
             _ => {
                 let k = pts.iter().position(|p| p.0 > x).unwrap_or(n - 1);
                 let ((x0, s0), (x1, s1)) = (pts[k - 1], pts[k]);
                 let f = (x - x0) / (x1 - x0);
-                (s0 + f * (s1 - s0), e(k - 1) + f * (e(k) - e(k - 1)))
+                let lerp = |g: &dyn Fn(usize) -> f64| g(k - 1) + f * (g(k) - g(k - 1));
+                (s0 + f * (s1 - s0), lerp(&e), lerp(&c))
             }
         }
     }
@@ -234,6 +244,7 @@ pub fn predict_step_time<M: Model>(
         t => t,
     };
     let tokens = (cfg.microbatch_size() * cfg.seq_len) as f64;
+    let shared = cfg.world_size() > 1;
     let activation = tokens * m.width().unwrap_or(0) as f64 * 4.0;
     let all_reduce = |bytes: f64| tm.collective.all_reduce(bytes, cfg.tp);
     let flops = |p: &StagePlan| stage_flops(&costs, p);
@@ -245,7 +256,7 @@ pub fn predict_step_time<M: Model>(
         .map(|p| {
             let k = parts(p);
             let x = tokens * flops(p) / (cfg.tp as f64 * k);
-            let compute = k * tm.part_seconds(m.width(), x, threads);
+            let compute = k * tm.part_seconds(m.width(), x, threads, shared);
             let layers = p.blocks.len() as f64;
             let mut fwd = 2.0 * layers * all_reduce(activation);
             let mut bwd = fwd;
@@ -384,6 +395,7 @@ impl TimeModel {
                 width: 1,
                 points: vec![(1e6, s(1e6)), (1e30, s(1e30))],
                 thread_efficiency: vec![0.0, 0.0],
+                concurrent_slowdown: Vec::new(),
             }],
             flops_per_s_per_thread,
             overhead_per_part_s,
@@ -402,13 +414,21 @@ impl TimeModel {
     }
 
     /// Seconds of one part of `flops` FLOPs of a model of `width` (`None`: the widest
-    /// curve's) on a worker of `threads` threads: `S₁(x) / (1 + e(x) · (t − 1))` on each
-    /// curve ([`PartCurve`]), interpolated linearly in `log(width)` between the two
-    /// curves around `width` (the nearest one outside them).
-    pub fn part_seconds(&self, width: Option<usize>, flops: f64, threads: usize) -> f64 {
-        let on = |c: &PartCurve| {
-            let (s, e) = c.at(flops);
-            s.max(0.0) / (1.0 + e * (threads.max(1) - 1) as f64)
+    /// curve's) on a worker of `threads` threads, `shared` when other workers compute
+    /// on the machine's other cores at the same time: `S₁(x) · [shared] c(x) / (1 + e(x)
+    /// · (t − 1))` on each curve ([`PartCurve`]), interpolated linearly in `log(width)`
+    /// between the two curves around `width` (the nearest one outside them).
+    pub fn part_seconds(
+        &self,
+        width: Option<usize>,
+        flops: f64,
+        threads: usize,
+        shared: bool,
+    ) -> f64 {
+        let on = |curve: &PartCurve| {
+            let (s, e, c) = curve.at(flops);
+            let c = if shared { c.max(1.0) } else { 1.0 };
+            s.max(0.0) * c / (1.0 + e * (threads.max(1) - 1) as f64)
         };
         let (Some(first), Some(last)) = (self.curves.first(), self.curves.last()) else {
             return 0.0;
@@ -464,10 +484,30 @@ impl TimeModel {
         if let Some(two) = &mut two {
             merge_faster(two, time_all(2)?);
         }
+        // Two workers at once, a thread each: what sharing the machine costs.
+        let concurrent = match two_cores {
+            true => Some(std::thread::scope(|s| {
+                let other = s.spawn(|| time_all(1));
+                let mine = time_all(1);
+                other
+                    .join()
+                    .unwrap_or_else(|_| Err(err!(Config, "the calibration thread panicked")))?;
+                mine
+            })?),
+            false => None,
+        };
         let curves: Vec<PartCurve> = grid
             .iter()
             .enumerate()
             .map(|(i, &(width, _))| PartCurve {
+                concurrent_slowdown: match &concurrent {
+                    Some(c) => c[i]
+                        .iter()
+                        .zip(&one[i])
+                        .map(|(c, one)| (c.seconds / one.seconds).max(1.0))
+                        .collect(),
+                    None => Vec::new(),
+                },
                 width,
                 points: one[i]
                     .iter()
@@ -830,13 +870,14 @@ mod tests {
             width: 16,
             points: vec![(1e6, 2e-3), (2e6, 3e-3), (4e6, 4e-3)],
             thread_efficiency: vec![0.0, 0.5, 1.0],
+            concurrent_slowdown: vec![1.0, 1.5, 2.0],
         };
         let tm = TimeModel {
             curves: vec![narrow.clone()],
             ..TimeModel::linear(1.0, 0.0)
         };
         let close = |a: f64, b: f64| (a - b).abs() < 1e-15;
-        let at = |x: f64, t: usize| tm.part_seconds(Some(16), x, t);
+        let at = |x: f64, t: usize| tm.part_seconds(Some(16), x, t, false);
         // At and between the points; below the first along the first two's line (from
         // o = 1 ms), above the last in proportion.
         assert!(close(narrow.overhead(), 1e-3) && close(narrow.rate(), 1e9));
@@ -850,21 +891,28 @@ mod tests {
         assert!(close(at(1e6, 2), 2e-3));
         assert!(close(at(3e6, 2), 3.5e-3 / 1.75));
         assert!(close(at(8e6, 3), 8e-3 / 3.0));
+        // Sharing the machine with other workers: slower by c, interpolated the same way.
+        assert!(close(
+            tm.part_seconds(Some(16), 3e6, 1, true),
+            3.5e-3 * 1.75
+        ));
+        assert!(close(tm.part_seconds(Some(16), 8e6, 1, true), 8e-3 * 2.0));
         // Two widths: geometric interpolation between them, the nearest outside.
         let wide = PartCurve {
             width: 64,
             points: vec![(1e6, 1e-3), (4e6, 2e-3)],
             thread_efficiency: vec![0.0, 0.0],
+            concurrent_slowdown: Vec::new(),
         };
         let tm = TimeModel {
             curves: vec![narrow, wide],
             ..tm
         };
         let x = 4e6;
-        assert!(close(tm.part_seconds(Some(32), x, 1), 3e-3));
-        assert!(close(tm.part_seconds(Some(8), x, 1), 4e-3));
-        assert!(close(tm.part_seconds(Some(128), x, 1), 2e-3));
-        assert!(close(tm.part_seconds(None, x, 1), 2e-3));
+        assert!(close(tm.part_seconds(Some(32), x, 1, false), 3e-3));
+        assert!(close(tm.part_seconds(Some(8), x, 1, false), 4e-3));
+        assert!(close(tm.part_seconds(Some(128), x, 1, false), 2e-3));
+        assert!(close(tm.part_seconds(None, x, 1, false), 2e-3));
     }
 
     #[test]
