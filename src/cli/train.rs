@@ -535,8 +535,7 @@ fn report_json(
                 "coords": { "dp": c.dp, "pp": c.pp, "tp": c.tp },
                 "peak_bytes": mem.map(|m| m.peak_bytes),
                 "bytes_by_category": mem.map(|m| &m.bytes_by_category),
-                // The estimator (issue 15 §2) is not written yet.
-                "predicted_peak_bytes": null,
+                "predicted_peak_bytes": mem.and_then(|m| m.predicted_peak_bytes),
                 "bubble_measured": pipe.map(|p| p.bubble_measured),
                 "bubble_predicted": pipe.map(|p| p.bubble_predicted),
                 "tokens_per_s": report.tokens_per_s,

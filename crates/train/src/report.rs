@@ -87,6 +87,9 @@ pub struct RankMemory {
     pub coords: Coords,
     pub peak_bytes: usize,
     pub bytes_by_category: BTreeMap<String, usize>,
+    /// The estimator's prediction of `peak_bytes` ([`crate::estimate::memory`]); `None`
+    /// when the model does not describe its activations.
+    pub predicted_peak_bytes: Option<usize>,
 }
 
 /// What a run did.
@@ -165,7 +168,7 @@ impl TrainReport {
             }
         }
         if !self.memory.is_empty() {
-            s += "memory     measured peak   by category at the peak (MiB)\n";
+            s += "memory     measured peak   predicted   by category at the peak (MiB)\n";
             for m in &self.memory {
                 let split: Vec<String> = m
                     .bytes_by_category
@@ -173,8 +176,12 @@ impl TrainReport {
                     .filter(|(_, &b)| b > 0)
                     .map(|(c, &b)| format!("{c} {:.2}", mib(b)))
                     .collect();
+                let predicted = match m.predicted_peak_bytes {
+                    Some(b) => format!("{:>9.2} MiB", mib(b)),
+                    None => format!("{:>13}", "-"),
+                };
                 s += &format!(
-                    "  rank {:<3} (dp {} pp {} tp {}) {:>9.2} MiB   {}\n",
+                    "  rank {:<3} (dp {} pp {} tp {}) {:>9.2} MiB {predicted}   {}\n",
                     m.rank,
                     m.coords.dp,
                     m.coords.pp,
@@ -333,6 +340,7 @@ pub(crate) fn gather<M: Model>(
             }
         })
         .collect();
+    let predicted_memory = crate::estimate::memory::estimate_memory(cfg).ok();
     let memory = (0..cfg.world_size())
         .filter_map(|r| {
             let x = &rows[(r + 1) * width - MEMORY_WIDTH..(r + 1) * width];
@@ -351,6 +359,7 @@ pub(crate) fn gather<M: Model>(
                         .zip(&x[2..])
                         .map(|(c, &b)| (c.name().to_string(), b as usize))
                         .collect(),
+                    predicted_peak_bytes: predicted_memory.as_ref().map(|p| p[c.pp].peak_bytes),
                 }
             })
         })
