@@ -532,9 +532,37 @@ fn report_json_holds_every_ranks_measured_memory() {
         let peak = rank["peak_bytes"].as_u64().unwrap();
         let params = rank["bytes_by_category"]["parameters"].as_u64().unwrap();
         assert!(params > 0 && params < peak, "{rank}");
+        let predicted = rank["predicted_peak_bytes"].as_u64().unwrap();
+        assert!(predicted > params && predicted < 2 * peak, "{rank}");
         assert!(rank["bubble_measured"].is_number(), "{rank}");
         assert!(rank["tokens_per_s"].as_f64().unwrap() > 0.0, "{rank}");
     }
     assert!(r["config"]["model"]["d_model"] == 16);
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_model_over_the_memory_budget_is_refused_before_any_step() {
+    let args = tiny(&["--steps", "2", "--max-memory-per-worker", "64KiB"]);
+    let o = switchyard(&strs(&args));
+    assert_eq!(o.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&o.stderr);
+    for want in [
+        "does not fit",
+        "--max-memory-per-worker 64.00 KiB",
+        "activations",
+    ] {
+        assert!(err.contains(want), "{want}: {err}");
+    }
+    assert!(!String::from_utf8_lossy(&o.stdout).contains("step "));
+    let bad = switchyard(&["train", "--max-memory-per-worker", "12 parsecs"]);
+    assert_eq!(bad.status.code(), Some(2), "a usage error");
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("unknown unit"));
+    // A budget it fits trains.
+    ok(&strs(&tiny(&[
+        "--steps",
+        "1",
+        "--max-memory-per-worker",
+        "1GiB",
+    ])));
 }

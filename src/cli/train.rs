@@ -135,6 +135,10 @@ pub struct TrainArgs {
     /// Compute threads per worker (default: the cores shared out)
     #[arg(long)]
     pub threads_per_worker: Option<usize>,
+    /// Refuse to start when the estimated peak memory of any worker exceeds this
+    /// (512MiB, 2GiB, 1.5GB); without it, refuse beyond this machine's available memory
+    #[arg(long, value_name = "SIZE")]
+    pub max_memory_per_worker: Option<switchyard_train::Bytes>,
     /// Bound on any blocking communication, in seconds
     #[arg(long)]
     pub comm_timeout: Option<f64>,
@@ -333,6 +337,9 @@ pub fn resolve(
         threads_per_worker => threads_per_worker, comm_timeout => comm_timeout_secs,
         vocab_size => model.vocab_size, val_fraction => val_fraction,
         eval_every => eval_every, eval_batches => eval_batches, device => device);
+    if let Some(b) = a.max_memory_per_worker {
+        c.max_memory_per_worker = Some(b);
+    }
     if let Some(ops) = &file.ops {
         c.model.ops = ops.parse().map_err(|e| {
             anyhow!(

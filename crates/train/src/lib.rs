@@ -66,7 +66,7 @@ pub mod weights;
 mod worker;
 
 pub use config::{
-    memory_info, thread_limit, MemoryInfo, TrainConfig, BYTES_PER_PARAM, MAX_SCHEDULE_PAIRS,
+    memory_info, thread_limit, Bytes, MemoryInfo, TrainConfig, BYTES_PER_PARAM, MAX_SCHEDULE_PAIRS,
     MAX_TIMEOUT_SECS,
 };
 pub use device::DeviceSpec;

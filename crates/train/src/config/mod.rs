@@ -14,7 +14,7 @@ mod machine;
 mod schedule;
 
 use machine::{human_bytes, THREAD_LIMIT_WHY};
-pub use machine::{memory_info, thread_limit, MemoryInfo, BYTES_PER_PARAM};
+pub use machine::{memory_info, thread_limit, Bytes, MemoryInfo, BYTES_PER_PARAM};
 
 /// Everything a run needs, for a model whose config is `M` (a [`Model`]).
 /// `switchyard train` builds it from flags and `--config`.
@@ -82,6 +82,11 @@ pub struct TrainConfig<M> {
     /// manifest at its default. See [`DeviceSpec`].
     #[serde(skip_serializing_if = "DeviceSpec::is_cpu")]
     pub device: DeviceSpec,
+    /// Refuse to start when the estimated peak of any worker
+    /// ([`crate::estimate::memory`]) exceeds this; `None`: refuse only beyond the
+    /// machine's available memory.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_memory_per_worker: Option<Bytes>,
 }
 
 impl<M: Default> Default for TrainConfig<M> {
@@ -118,6 +123,7 @@ impl<M: Default> Default for TrainConfig<M> {
             eval_every: 0,
             eval_batches: 8,
             device: DeviceSpec::Cpu,
+            max_memory_per_worker: None,
         }
     }
 }

@@ -24,9 +24,10 @@
 //! every gradient (`4·Ψ`), or AdamW's f64 copies of the largest tensor's gradient
 //! (`16·largest`). The peak is the largest of these moments.
 //!
-//! Two constants are measured, not derived: the bookkeeping per tensor (candle's tensor
-//! and shape headers and the store's names, about 200 bytes) and the scratch the matrix
-//! multiply keeps per compute thread (2 MiB). `tests/estimate.rs` holds the prediction
+//! Two things are measured, not derived: the bookkeeping per tensor (candle's tensor and
+//! shape headers and the store's names, about 200 bytes) and the packing buffer the
+//! matrix multiply keeps per compute thread (the L2 cache's size, once products reach
+//! 128 rows or columns). `tests/estimate.rs` holds the prediction
 //! to within 10 % of `switchyard-mem`'s measurement for every rank of many layouts.
 
 use std::collections::BTreeMap;
@@ -35,13 +36,40 @@ use switchyard_mem::Category;
 use switchyard_models::{plan_stages, Activations, Footprint, Model};
 use switchyard_schedule::{simulate, Costs, Op};
 
+use switchyard_schedule::ScheduleChoice;
+
 use crate::error::{err, TrainError};
-use crate::TrainConfig;
+use crate::{Bytes, TrainConfig};
 
 /// Bytes of bookkeeping per tensor besides its data (measured).
 pub const BYTES_PER_TENSOR: usize = 200;
-/// The scratch the matrix multiply keeps per compute thread (measured).
-pub const SCRATCH_PER_THREAD: usize = 2 << 20;
+
+/// The buffer the matrix-multiply library (`gemm`, under candle and the fused ops) keeps
+/// on each thread that packed a product through it: the size of the CPU's L2 cache
+/// (read from Linux's `/sys`; 2 MiB elsewhere).
+pub fn scratch_per_thread() -> usize {
+    std::fs::read_to_string("/sys/devices/system/cpu/cpu0/cache/index2/size")
+        .ok()
+        .and_then(|s| {
+            let s = s.trim();
+            let (n, scale) = match s.strip_suffix('K') {
+                Some(n) => (n, 1024),
+                None => match s.strip_suffix('M') {
+                    Some(n) => (n, 1 << 20),
+                    None => (s, 1),
+                },
+            };
+            n.parse::<usize>().ok().map(|n| n * scale)
+        })
+        .filter(|&b| b > 0)
+        .unwrap_or(2 << 20)
+}
+
+/// Whether products of `tokens` rows and `width` columns go through that buffer: measured
+/// with `gemm` 0.19 (smaller ones are packed in a buffer of their own size).
+fn packs_through_scratch(tokens: usize, width: usize) -> bool {
+    tokens >= 128 || width >= 128
+}
 /// Bytes per element of parameters, gradients and activations (f32).
 const ELEM: usize = 4;
 /// Bytes per parameter of AdamW's state (two f64 moments).
@@ -104,6 +132,11 @@ pub fn estimate_memory<M: Model>(cfg: &TrainConfig<M>) -> Result<Vec<RankEstimat
         0 => switchyard_comm::threads::default_threads_per_worker(cfg.world_size()),
         n => n,
     };
+    let width = acts.iter().map(|a| a.width).max().unwrap_or(0);
+    let scratch = match packs_through_scratch(cfg.microbatch_size() * cfg.seq_len, width) {
+        true => scratch_per_thread(),
+        false => 0,
+    };
     // When each action runs (unit costs, as the report's prediction), to know how long a
     // gradient a rank sends back waits for the previous stage's backward: until then it
     // is the sender's memory.
@@ -156,8 +189,8 @@ pub fn estimate_memory<M: Model>(cfg: &TrainConfig<M>) -> Result<Vec<RankEstimat
         let fixed = Fixed {
             params: ELEM * params + BYTES_PER_TENSOR * tensors,
             optimizer: OPT_PER_PARAM * params + BYTES_PER_TENSOR * tensors,
-            other: ELEM * cache + SCRATCH_PER_THREAD * threads.saturating_sub(1),
-            scratch: SCRATCH_PER_THREAD,
+            other: ELEM * cache + scratch * threads.saturating_sub(1),
+            scratch,
         };
         let bytes: BTreeMap<usize, StageBytes> = mine
             .iter()
@@ -295,5 +328,215 @@ impl Timeline {
             at_peak: self.at_peak,
             params,
         }
+    }
+}
+
+/// Refuses, before any work, a run whose estimated peak exceeds the budget: the largest
+/// predicted rank against `max_memory_per_worker`, and the `local_workers` this machine
+/// runs against its `available` memory. The message gives the worst rank's estimate by
+/// category and what would fit. A model that does not describe its activations is only
+/// refused when a budget is set.
+pub fn check_fits<M: Model>(
+    cfg: &TrainConfig<M>,
+    local_workers: usize,
+    available: Option<u64>,
+) -> Result<(), TrainError> {
+    let ranks = match estimate_memory(cfg) {
+        Ok(r) => r,
+        Err(e) if cfg.max_memory_per_worker.is_some() => {
+            return Err(err!(Config, "--max-memory-per-worker: {e}"))
+        }
+        Err(_) => return Ok(()),
+    };
+    let worst = worst(&ranks);
+    if let Some(budget) = cfg.max_memory_per_worker {
+        if worst.peak_bytes as u64 > budget.0 {
+            return Err(refusal(
+                cfg,
+                worst,
+                &format!("--max-memory-per-worker {budget}"),
+                budget.0,
+            ));
+        }
+    }
+    if let Some(available) = available {
+        // This machine's workers: its share of every pipeline rank's replicas.
+        let per_world: u128 =
+            ranks.iter().map(|r| r.peak_bytes as u128).sum::<u128>() * (cfg.dp * cfg.tp) as u128;
+        let here = per_world * local_workers as u128 / cfg.world_size().max(1) as u128;
+        if here > u128::from(available) {
+            let per_worker = (u128::from(available) / local_workers.max(1) as u128) as u64;
+            return Err(refusal(
+                cfg,
+                worst,
+                &format!(
+                    "this machine's available memory ({} for {local_workers} workers, {} each)",
+                    Bytes(available),
+                    Bytes(per_worker)
+                ),
+                per_worker,
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn worst(ranks: &[RankEstimate]) -> &RankEstimate {
+    ranks
+        .iter()
+        .max_by_key(|r| r.peak_bytes)
+        .expect("a program has ranks")
+}
+
+fn refusal<M: Model>(
+    cfg: &TrainConfig<M>,
+    worst: &RankEstimate,
+    budget_name: &str,
+    budget: u64,
+) -> TrainError {
+    let split: Vec<String> = Category::ALL
+        .iter()
+        .zip(worst.at_peak)
+        .filter(|(_, b)| *b > 0)
+        .map(|(c, b)| format!("{} {}", c.name(), Bytes(b as u64)))
+        .collect();
+    let mut fits = Vec::new();
+    for (what, variant) in variants(cfg) {
+        if let Ok(r) = estimate_memory(&variant) {
+            let peak = worst_peak(&r);
+            let mark = if peak <= budget { "fits" } else { "too big" };
+            fits.push(format!(
+                "{what} ({} workers): {} per worker, {mark}",
+                variant.world_size(),
+                Bytes(peak)
+            ));
+        }
+    }
+    let fits = match fits.is_empty() {
+        true => String::new(),
+        false => format!("\n  estimated instead:\n    {}", fits.join("\n    ")),
+    };
+    err!(
+        Config,
+        "the model does not fit: the estimated peak of pipeline rank {} (dp {} × pp {} × tp {}, \
+         {} with {} microbatches) is {}, more than {budget_name}\n  at the peak: {}{fits}\n  \
+         (activation recomputation, ZeRO and bf16 would shrink it further; they are not built \
+         yet)",
+        worst.pp,
+        cfg.dp,
+        cfg.pp,
+        cfg.tp,
+        cfg.schedule,
+        cfg.microbatches,
+        Bytes(worst.peak_bytes as u64),
+        split.join(", ")
+    )
+}
+
+fn worst_peak(ranks: &[RankEstimate]) -> u64 {
+    worst(ranks).peak_bytes as u64
+}
+
+/// Layouts that hold less per worker than `cfg`: a longer pipeline, more tensor
+/// parallelism, 1F1B instead of GPipe (fewer microbatches in flight), smaller
+/// microbatches. Only valid ones.
+fn variants<M: Model>(cfg: &TrainConfig<M>) -> Vec<(String, TrainConfig<M>)> {
+    let mut out = Vec::new();
+    let mut pp = cfg.clone();
+    pp.pp *= 2;
+    out.push((format!("--pp {}", pp.pp), pp));
+    let mut tp = cfg.clone();
+    tp.tp *= 2;
+    out.push((format!("--tp {}", tp.tp), tp));
+    if cfg.schedule.to_string() == "gpipe" {
+        let mut s = cfg.clone();
+        s.schedule = ScheduleChoice::Named(switchyard_schedule::ScheduleKind::OneFOneB);
+        out.push(("--schedule 1f1b".into(), s));
+    }
+    let mut m = cfg.clone();
+    m.microbatches *= 2;
+    out.push((format!("--microbatches {}", m.microbatches), m));
+    let mut all = cfg.clone();
+    all.pp *= 2;
+    all.tp *= 2;
+    all.schedule = ScheduleChoice::Named(switchyard_schedule::ScheduleKind::OneFOneB);
+    all.virtual_stages = 1;
+    out.push((
+        format!("--pp {} --tp {} --schedule 1f1b", all.pp, all.tp),
+        all,
+    ));
+    out.retain(|(_, c)| c.validate().is_ok());
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use switchyard_models::{GptConfig, MlpConfig};
+
+    use super::*;
+
+    fn gpt() -> TrainConfig<GptConfig> {
+        TrainConfig {
+            model: GptConfig::tiny(4),
+            seq_len: 16,
+            batch: 8,
+            threads_per_worker: 1,
+            ..TrainConfig::default()
+        }
+    }
+
+    #[test]
+    fn the_first_stage_of_one_f_one_b_holds_the_most_and_gpipe_more() {
+        let c = gpt();
+        let r = estimate_memory(&c).unwrap();
+        assert_eq!(r.len(), c.pp);
+        assert!(r[0].at_peak[Category::Activations as usize] > r[1].at_peak[3]);
+        let mut g = c.clone();
+        g.schedule = "gpipe".parse().unwrap();
+        let rg = estimate_memory(&g).unwrap();
+        assert!(rg[0].at_peak[3] > r[0].at_peak[3]);
+        // Parameters and optimizer state do not depend on the schedule.
+        assert_eq!(rg[0].at_peak[0], r[0].at_peak[0]);
+        assert_eq!(rg[0].at_peak[2], r[0].at_peak[2]);
+        assert_eq!(r[0].at_peak.iter().sum::<usize>(), r[0].peak_bytes);
+    }
+
+    #[test]
+    fn a_budget_refuses_with_the_estimate_and_what_would_fit() {
+        let mut c = gpt();
+        let peak = worst_peak(&estimate_memory(&c).unwrap());
+        c.max_memory_per_worker = Some(Bytes(peak));
+        check_fits(&c, 4, None).unwrap();
+        c.max_memory_per_worker = Some(Bytes(peak - 1));
+        let e = check_fits(&c, 4, None).unwrap_err().to_string();
+        for want in [
+            "does not fit",
+            "activations",
+            "optimizer",
+            "--pp 4",
+            "per worker",
+        ] {
+            assert!(e.contains(want), "{want}: {e}");
+        }
+        // The machine's memory when no budget is given.
+        c.max_memory_per_worker = None;
+        check_fits(&c, 4, Some(4 * peak)).unwrap();
+        let e = check_fits(&c, 4, Some(peak)).unwrap_err().to_string();
+        assert!(e.contains("available memory"), "{e}");
+    }
+
+    #[test]
+    fn a_model_without_activations_is_refused_only_under_a_budget() {
+        let mut c = TrainConfig {
+            model: MlpConfig::default(),
+            seq_len: 16,
+            batch: 8,
+            ..TrainConfig::default()
+        };
+        assert!(estimate_memory(&c).is_err());
+        check_fits(&c, 4, Some(1)).unwrap();
+        c.max_memory_per_worker = Some(Bytes(1 << 30));
+        let e = check_fits(&c, 4, None).unwrap_err().to_string();
+        assert!(e.contains("does not describe its activations"), "{e}");
     }
 }
