@@ -12,12 +12,17 @@
 //!   loop ([`fma_peak_gflops`]).
 //! * **Ideal pipeline speed-up** = `pp × (1 − bubble)`, the bubble from the schedule
 //!   simulator with backward = 2 × forward.
+//! * **Predicted step time**: `switchyard_train::estimate::time`'s model, calibrated once
+//!   on this machine at the start of the run ([`calibrate`]) for each ops backend of the
+//!   table, next to the measured median and their ratio (the target: within
+//!   20 %).
 
 use serde::{Deserialize, Serialize};
 use switchyard_models::{GptConfig, OpsBackend, SplitSpec};
 use switchyard_schedule::{ScheduleChoice, ScheduleKind};
 
 use switchyard_train::data::Corpus;
+use switchyard_train::estimate::time::{predict_step_time, StepTime, TimeModel};
 use switchyard_train::{train, TrainConfig, TrainOptions};
 
 mod machine;
@@ -253,6 +258,42 @@ pub struct Row {
     /// Peak resident memory of the process running the case, divided by its workers.
     pub peak_mib_per_worker: Option<f64>,
     pub final_loss: f64,
+    /// The time model's step, before the run (filled in by [`Report::predict`]).
+    #[serde(default)]
+    pub predicted: Option<StepTime>,
+}
+
+impl Row {
+    /// Predicted over measured step time.
+    pub fn time_ratio(&self) -> Option<f64> {
+        self.predicted.as_ref().map(|p| p.seconds / self.step_s)
+    }
+}
+
+/// The model the time model is calibrated on: a 2-layer GPT of width `d` and block
+/// size `t` on `ops`.
+pub fn probe(ops: OpsBackend, d: usize, t: usize) -> GptConfig {
+    GptConfig {
+        vocab_size: 256,
+        block_size: t,
+        n_layer: 2,
+        n_head: 4,
+        d_model: d,
+        tied_embeddings: false,
+        ops,
+    }
+}
+
+/// The time model of each ops backend among `cases`, calibrated on this machine.
+pub fn calibrate(cases: &[&Case]) -> Result<Vec<(OpsBackend, TimeModel)>, BenchError> {
+    let mut models: Vec<(OpsBackend, TimeModel)> = Vec::new();
+    for c in cases {
+        if !models.iter().any(|(ops, _)| *ops == c.ops) {
+            let ops = c.ops;
+            models.push((ops, TimeModel::calibrate(|d, t| probe(ops, d, t))?));
+        }
+    }
+    Ok(models)
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -300,6 +341,7 @@ pub fn run_case(p: &Preset, c: &Case) -> Result<Row, BenchError> {
         ideal_speedup,
         peak_mib_per_worker: peak_rss_mib().map(|m| m / c.workers() as f64),
         final_loss: report.final_loss(),
+        predicted: None,
     })
 }
 
@@ -311,6 +353,9 @@ pub struct Report {
     /// Measured peak of one core, GFLOP/s.
     pub peak_gflops_per_core: f64,
     pub rows: Vec<Row>,
+    /// The calibrated time models the predictions used, by ops backend.
+    #[serde(default)]
+    pub time_models: Vec<(String, TimeModel)>,
 }
 
 impl Report {
@@ -330,7 +375,23 @@ impl Report {
             flops_per_token: fpt,
             peak_gflops_per_core,
             rows,
+            time_models: Vec::new(),
         }
+    }
+
+    /// Predicts every row's step time with the time model of its ops backend.
+    pub fn predict(&mut self, models: &[(OpsBackend, TimeModel)]) -> Result<(), BenchError> {
+        for r in &mut self.rows {
+            let Some((_, tm)) = models.iter().find(|(ops, _)| *ops == r.case.ops) else {
+                continue;
+            };
+            r.predicted = Some(predict_step_time(&config(&self.preset, &r.case), tm)?);
+        }
+        self.time_models = models
+            .iter()
+            .map(|(ops, tm)| (ops.name().to_string(), tm.clone()))
+            .collect();
+        Ok(())
     }
 
     /// A Markdown table with a short header.
@@ -352,8 +413,8 @@ impl Report {
             p.steps,
             p.warmup
         );
-        s += "| layout | workers × threads | tokens/s | speed-up | ideal | MFU | bubble measured / predicted | peak MiB per worker |\n";
-        s += "|---|---|---:|---:|---:|---:|---|---:|\n";
+        s += "| layout | workers × threads | tokens/s | speed-up | ideal | MFU | bubble measured / predicted | step ms measured / predicted | predicted ÷ measured | peak MiB per worker |\n";
+        s += "|---|---|---:|---:|---:|---:|---|---:|---:|---:|\n";
         for r in &self.rows {
             let c = &r.case;
             let bubble = match r.bubble_measured.is_empty() {
@@ -366,8 +427,12 @@ impl Report {
                     .collect::<Vec<_>>()
                     .join(", "),
             };
+            let step = match &r.predicted {
+                Some(p) => format!("{:.1} / {:.1}", 1e3 * r.step_s, 1e3 * p.seconds),
+                None => format!("{:.1} / –", 1e3 * r.step_s),
+            };
             s += &format!(
-                "| {} | {} × {} | {:.0} | {} | {:.2}× | {} | {} | {} |\n",
+                "| {} | {} × {} | {:.0} | {} | {:.2}× | {} | {} | {} | {} | {} |\n",
                 c.name,
                 c.workers(),
                 c.threads_per_worker,
@@ -376,6 +441,8 @@ impl Report {
                 r.ideal_speedup,
                 r.mfu.map_or("–".into(), |x| format!("{:.1}%", 100.0 * x)),
                 bubble,
+                step,
+                r.time_ratio().map_or("–".into(), |x| format!("{x:.2}")),
                 r.peak_mib_per_worker
                     .map_or("–".into(), |x| format!("{x:.0}")),
             );
@@ -473,6 +540,31 @@ mod tests {
             p.check().unwrap();
             for c in cases(&p) {
                 config(&p, &c).validate().unwrap();
+            }
+        }
+    }
+
+    /// Calibration runs and every row of every preset gets a finite, positive prediction
+    /// with its breakdown (no timing is asserted: the machine decides).
+    #[test]
+    fn the_time_model_calibrates_and_predicts_every_row() {
+        let models = calibrate(&[&cases(&Preset::named("tiny").unwrap())[0]]).unwrap();
+        assert_eq!(models.len(), 1);
+        let tm = &models[0].1;
+        assert!(tm.flops_per_s_per_thread > 0.0 && tm.curves.len() == 3);
+        for name in ["reference", "small", "tiny"] {
+            let p = Preset::named(name).unwrap();
+            for c in cases(&p) {
+                let s = predict_step_time(&config(&p, &c), tm).unwrap();
+                assert!(
+                    s.seconds.is_finite() && s.seconds > 0.0,
+                    "{name} {}: {s:?}",
+                    c.name
+                );
+                assert!(s.compute_s > 0.0 && s.seconds >= s.pipeline_s, "{s:?}");
+                assert_eq!(s.bubble_fraction > 0.0, c.pp > 1, "{name} {}", c.name);
+                assert_eq!(s.tp_comm_s > 0.0, c.tp > 1, "{name} {}", c.name);
+                assert_eq!(s.dp_allreduce_s > 0.0, c.dp > 1, "{name} {}", c.name);
             }
         }
     }

@@ -10,7 +10,7 @@ use std::process::Command;
 
 use anyhow::{anyhow, bail, Context};
 use clap::Args;
-use switchyard::bench::{cases, fma_peak_gflops, run_case, Preset, Report, Row};
+use switchyard::bench::{calibrate, cases, fma_peak_gflops, run_case, Preset, Report, Row};
 
 #[derive(Args)]
 pub struct BenchArgs {
@@ -123,6 +123,35 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
         p.name,
         selected.len()
     );
+    // Before any row, on a quiet machine: the rates the predictions divide by.
+    let t0 = std::time::Instant::now();
+    let models = calibrate(&selected)?;
+    for (ops, tm) in &models {
+        let curves: Vec<String> = tm
+            .curves
+            .iter()
+            .map(|c| {
+                let e = c.thread_efficiency.last().map_or(0.0, |e| 100.0 * e);
+                format!(
+                    "d {}: {:.0} µs + {:.1} GFLOP/s, +{e:.0}%",
+                    c.width,
+                    1e6 * c.overhead(),
+                    c.rate() / 1e9
+                )
+            })
+            .collect();
+        eprintln!(
+            "  time model ({}, calibrated): a part per thread {}; second thread at the largest \
+             size; p2p {:.1} µs + {:.1} GB/s, all-reduce {:.1} µs + {:.1} GB/s",
+            ops.name(),
+            curves.join(", "),
+            tm.p2p.alpha_s * 1e6,
+            tm.p2p.bytes_per_s / 1e9,
+            tm.collective.alpha_s * 1e6,
+            tm.collective.bytes_per_s / 1e9,
+        );
+    }
+    eprintln!("  calibration took {:.1} s", t0.elapsed().as_secs_f64());
     let mut rows: Vec<Option<Row>> = vec![None; selected.len()];
     for round in 0..a.repeat {
         for (slot, c) in rows.iter_mut().zip(&selected) {
@@ -150,7 +179,8 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
         }
     }
     let rows: Vec<Row> = rows.into_iter().flatten().collect();
-    let report = Report::new(p, peak, rows);
+    let mut report = Report::new(p, peak, rows);
+    report.predict(&models)?;
     print!("{}", report.render());
     if let Some(path) = &a.json {
         std::fs::write(path, serde_json::to_vec_pretty(&report)?)

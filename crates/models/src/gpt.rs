@@ -297,6 +297,10 @@ impl Model for GptConfig {
         Ok(())
     }
 
+    fn width(&self) -> Option<usize> {
+        Some(self.d_model)
+    }
+
     fn costs(&self, seq_len: usize) -> LayerCosts {
         gpt_layer_costs(self, seq_len)
     }

@@ -60,6 +60,14 @@ pub trait Model:
         Ok(())
     }
 
+    /// Elements per token of the activation a stage passes to the next, and of each
+    /// tensor-parallel all-reduce (the hidden width), for the time model
+    /// (`switchyard_train::estimate::time`). Default: unknown (messages then count their
+    /// latency only).
+    fn width(&self) -> Option<usize> {
+        None
+    }
+
     /// Training cost per token of each part, for balanced splits (and planners).
     /// Default: every layer alike, embeddings and head free.
     fn costs(&self, _seq_len: usize) -> LayerCosts {

@@ -75,8 +75,12 @@ pub(crate) fn grad_producer(stage: u32, mb: u32, present: &[bool], ix: &Index) -
 /// Start and end time of every action, `times[r][k]` for `ranks[r][k]`.
 pub(crate) type Times = Vec<Vec<(f64, f64)>>;
 
-/// Runs the program. `cost` gives each op's duration.
-pub(crate) fn run(program: &Program, sem: Semantics, cost: &dyn Fn(Op) -> f64) -> Result<Times> {
+/// Runs the program. `cost` gives each action's duration.
+pub(crate) fn run(
+    program: &Program,
+    sem: Semantics,
+    cost: &dyn Fn(&Action) -> f64,
+) -> Result<Times> {
     let ix = Index::new(program);
     let mut present = vec![false; ix.len()];
     for a in program.ranks.iter().flatten() {
@@ -111,17 +115,17 @@ pub(crate) fn run(program: &Program, sem: Semantics, cost: &dyn Fn(Op) -> f64) -
                     if !ready {
                         break;
                     }
-                    (start, start + cost(a.op))
+                    (start, start + cost(&a))
                 } else {
                     let Some(peer) = a.matching().filter(|p| p.stage < program.num_stages) else {
                         break;
                     };
                     match (sem, a.op.is_send()) {
-                        (Semantics::Eager, true) => (free[r], free[r] + cost(a.op)),
+                        (Semantics::Eager, true) => (free[r], free[r] + cost(&a)),
                         (Semantics::Eager, false) => match done[ix.of(&peer)] {
                             Some(t) => {
                                 let start = free[r].max(t);
-                                (start, start + cost(a.op))
+                                (start, start + cost(&a))
                             }
                             None => break,
                         },
@@ -131,8 +135,8 @@ pub(crate) fn run(program: &Program, sem: Semantics, cost: &dyn Fn(Op) -> f64) -
                                 break;
                             }
                             let start = free[r].max(free[q]);
-                            let end = start + cost(a.op);
-                            let peer_end = start + cost(peer.op);
+                            let end = start + cost(&a);
+                            let peer_end = start + cost(&peer);
                             times[q].push((start, peer_end));
                             free[q] = peer_end;
                             done[ix.of(&peer)] = Some(peer_end);

@@ -80,5 +80,7 @@ pub use render::{
     render_svg, render_svg_titled, render_svg_with, render_text, to_json, SvgOptions,
 };
 pub use report::{report, Format};
-pub use simulate::{peak_activations, simulate, Costs, RankTimeline, TimedAction, Timeline};
+pub use simulate::{
+    peak_activations, simulate, simulate_by_stage, Costs, RankTimeline, TimedAction, Timeline,
+};
 pub use validate::validate;

@@ -74,7 +74,7 @@ pub fn lower_with_costs(program: &Program, costs: &Costs) -> Result<Program> {
         )));
     }
     check_structure(program)?;
-    let times = engine::run(program, Semantics::Eager, &|op| costs.of(op))?;
+    let times = engine::run(program, Semantics::Eager, &|a| costs.of(a.op))?;
 
     let ix = Index::new(program);
     let mut present = vec![false; ix.len()];

@@ -210,9 +210,38 @@ impl Timeline {
 /// stashed input). For interleaving the count is per rank, over all of its
 /// stages.
 pub fn simulate(program: &Program, costs: &Costs) -> Result<Timeline> {
-    costs.check()?;
+    simulate_by_stage(program, &vec![*costs; program.num_stages as usize])
+}
+
+/// [`simulate`] with costs of its own for each stage: `costs[s]` times the actions of
+/// stage `s` and the messages it sends and receives (a stage with a larger share of
+/// the model, or the embeddings or the head, is slower). The timeline's
+/// [`Timeline::costs`] is the largest of each field over the stages.
+///
+/// Errors when `costs` does not have one entry per stage.
+pub fn simulate_by_stage(program: &Program, costs: &[Costs]) -> Result<Timeline> {
+    if costs.len() != program.num_stages as usize {
+        return Err(ScheduleError::InvalidInput(format!(
+            "{} stage costs for a program of {} stages: give one per stage",
+            costs.len(),
+            program.num_stages
+        )));
+    }
+    for c in costs {
+        c.check()?;
+    }
     crate::validate(program)?;
-    let times = engine::run(program, Semantics::Eager, &|op| costs.of(op))?;
+    let times = engine::run(program, Semantics::Eager, &|a| {
+        costs[a.stage as usize].of(a.op)
+    })?;
+    let max = |f: fn(&Costs) -> f64| costs.iter().map(f).fold(0.0f64, f64::max);
+    let costs = Costs {
+        f: max(|c| c.f),
+        b: max(|c| c.b),
+        i: max(|c| c.i),
+        w: max(|c| c.w),
+        comm: max(|c| c.comm),
+    };
     let makespan = times
         .iter()
         .flatten()
@@ -253,7 +282,7 @@ pub fn simulate(program: &Program, costs: &Costs) -> Result<Timeline> {
     Ok(Timeline {
         num_stages: program.num_stages,
         num_microbatches: program.num_microbatches,
-        costs: *costs,
+        costs,
         makespan,
         bubble_fraction: if denom > 0.0 { total_idle / denom } else { 0.0 },
         ranks,

@@ -3,8 +3,8 @@
 //! memory formulas.
 
 use switchyard_schedule::{
-    generate, gpipe, interleaved, lower, lower_with_costs, one_f_one_b, simulate, validate, zb_h1,
-    Costs, Op, Program, ScheduleKind, Timeline,
+    generate, gpipe, interleaved, lower, lower_with_costs, one_f_one_b, simulate,
+    simulate_by_stage, validate, zb_h1, Costs, Op, Program, ScheduleKind, Timeline,
 };
 
 const TOL: f64 = 1e-12;
@@ -310,4 +310,36 @@ fn zb_h1_small_case_defers_weight_gradients_on_later_ranks() {
         "rank 0: 0F0 0F1 0I0 0W0 0F2 0I1 0W1 0I2 0W2\n\
          rank 1: 1F0 1I0 1F1 1I1 1W0 1F2 1I2 1W1 1W2\n"
     );
+}
+
+/// Per-stage costs: equal ones time a program as `simulate` does; a slower stage sets
+/// the pace of a long pipeline (1F1B's steady state runs at the slowest stage).
+#[test]
+fn per_stage_costs_agree_with_uniform_ones_and_the_slowest_stage_paces_the_pipeline() {
+    for (kind, p, m) in all_cases().into_iter().filter(|c| c.1 <= 4 && c.2 <= 8) {
+        let prog = lower(&generate(kind, p, m).unwrap()).unwrap();
+        let c = Costs::default();
+        let uniform = simulate(&prog, &c).unwrap();
+        let staged = simulate_by_stage(&prog, &vec![c; prog.num_stages as usize]).unwrap();
+        assert_eq!(uniform, staged, "{kind} p {p} m {m}");
+    }
+    // 1F1B on 2 stages, 4 microbatches, the last stage twice as slow (F=2, B=4): the
+    // first F, then 4 (F + B) on the last stage, then the first stage's last B.
+    let prog = lower(&one_f_one_b(2, 4).unwrap()).unwrap();
+    let slow = Costs {
+        f: 2.0,
+        b: 4.0,
+        ..Costs::default()
+    };
+    let t = simulate_by_stage(&prog, &[Costs::default(), slow]).unwrap();
+    assert!(
+        (t.makespan - (1.0 + 4.0 * 6.0 + 2.0)).abs() < TOL,
+        "{}",
+        t.makespan
+    );
+    assert_eq!(t.costs.f, 2.0);
+    let e = simulate_by_stage(&prog, &[Costs::default()])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("1 stage costs for a program of 2 stages"), "{e}");
 }

@@ -1,1 +1,841 @@
-//! Step time, predicted (issue 15 §3).
+//! Step time, predicted (issue 15 §3): the wall time of one training step of a
+//! [`TrainConfig`], from the model's FLOPs, this machine's measured rates
+//! ([`TimeModel::calibrate`]) and the schedule's simulator, without running the step.
+//!
+//! ## The formulas
+//!
+//! Notation: `T` the sequence length, `b = batch / (dp · m)` sequences per microbatch,
+//! `n = b · T` tokens per microbatch, `m` microbatches, `w` the model's width
+//! ([`Model::width`]; 0 when unknown), `c_e`, `c_ℓ`, `c_h` the training FLOPs per token of
+//! the embeddings, of layer `ℓ` and of the head ([`Model::costs`]; for the GPT,
+//! `6 · 12 · d² + 12 · T · d` a block), `t` the compute threads of a worker.
+//!
+//! * **A part's time.** A part is a layer, the embeddings or the head. `S₁(x)` is the
+//!   measured time of one part of `x` training FLOPs (one microbatch, forward and
+//!   backward) on one thread, one curve per model width (the efficiency of a product
+//!   depends on its width as much as on its length): linear interpolation between a few
+//!   calibrated sizes; below the smallest, the line through the two smallest (`o =
+//!   S₁(0)`, the fixed overhead of a part: kernel launches, graph bookkeeping, what keeps
+//!   small layers from their FLOP rate); above the largest, in proportion to `x` (at the
+//!   largest's rate `r = x_n / S₁(x_n)`: a marginal slope extrapolates badly). A worker
+//!   of `t` threads takes `S_t(x) = S₁(x) / (1 + e(x) · (t − 1))`, `e(x)` the measured
+//!   gain of a second thread at that size (small parts do not split), interpolated the
+//!   same way. Between the calibrated widths, `S_t` is interpolated linearly in
+//!   `log w`; outside them, the nearest width's curve is used.
+//! * **Stage `s`**, one microbatch, forward and backward together, on each of the `tp`
+//!   ranks: `C_s = k_s · S_t(n · F_s / (tp · k_s))`, `F_s = Σ_{ℓ∈s} c_ℓ + [first] c_e +
+//!   [last] c_h` and `k_s` the parts the stage runs (its parts taken at their mean size,
+//!   as the calibration measures them). Forward takes `φ · C_s`, backward `(1 − φ) · C_s`
+//!   (`φ` measured, about 1/3); a split backward's `I` and `W` half each.
+//! * **Tensor parallelism** (Megatron): each layer all-reduces its `n · w · 4`-byte output
+//!   twice in the forward (attention, MLP) and its input gradient twice in the backward;
+//!   the embeddings once in the forward, the head's input gradient once in the backward
+//!   and the parallel cross-entropy twice (max and sum, `n · 4` bytes) in the forward.
+//!   An all-reduce of `x` bytes over `k` ranks takes
+//!   `A_k(x) = (k − 1) · α_c + 2 · (k − 1)/k · x / β_c` (a ring's latency and volume;
+//!   `α_c`, `β_c` measured on 2 ranks, where it is `α_c + x / β_c`). These terms are added
+//!   to the stage's forward and backward times.
+//! * **Pipeline messages**: every send and every receive of the lowered program takes
+//!   `P(n · w · 4) / 2`, `P(x) = α_p + x / β_p` the measured one-way time of a message
+//!   (a send and its receive together).
+//! * **The pipeline**: [`simulate_by_stage`] runs the program with these per-stage costs;
+//!   its makespan `M` contains the compute, the tensor-parallel all-reduces, the messages
+//!   and the bubble (the idle fraction it reports).
+//! * **After the pipeline**, on the slowest rank: the data-parallel gradient all-reduce in
+//!   `⌈4 · N_r / bucket⌉` buckets, `Σ A_dp(bucket)`; the optimizer (AdamW, the gradient
+//!   norm and the clipping), `N_r · a + K_r · a_t` with `a` measured per parameter and
+//!   `a_t` per parameter tensor; and the world's all-gather of the losses, one `α_c`.
+//!   `N_r` and `K_r`, a rank's parameters and parameter tensors, are the model's
+//!   ([`Model::param_shapes`]) times the rank's share of the model's FLOPs, over `tp`
+//!   for `N_r` (every tensor-parallel rank holds a shard of every tensor).
+//!
+//! Step time `= M + max_r (A_dp + N_r · a + K_r · a_t) + [workers > 1] · α_c` (`A_dp =
+//! 0` without data parallelism).
+//!
+//! A model whose [`Model::costs`] are relative weights rather than FLOPs (the trait's
+//! default) gets times in those units divided by the rate: meaningless. The GPT's are
+//! FLOPs.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use candle_core::{DType, Device, Tensor, Var};
+use serde::{Deserialize, Serialize};
+use switchyard_comm::{local::Launcher, threads, Communicator, ReduceOp};
+use switchyard_models::{plan_stages, Model, ModelStage, SplitSpec, StagePlan};
+use switchyard_pipeline::Stage;
+use switchyard_schedule::{simulate_by_stage, Costs};
+use switchyard_shard::{single_device, ParamSource, ParamStore};
+
+use crate::error::{err, TrainError};
+use crate::optim::{AdamW, AdamWConfig};
+use crate::TrainConfig;
+
+/// A link's cost: `α + bytes / β`.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct AlphaBeta {
+    /// Latency, seconds.
+    pub alpha_s: f64,
+    /// Bandwidth, bytes per second.
+    pub bytes_per_s: f64,
+}
+
+impl AlphaBeta {
+    /// Seconds to move `bytes`.
+    pub fn time(&self, bytes: f64) -> f64 {
+        self.alpha_s + bytes / self.bytes_per_s
+    }
+
+    /// An all-reduce of `bytes` over `ranks` ranks (a ring): `(k − 1) · α + 2 · (k − 1)/k ·
+    /// bytes / β`, which is [`AlphaBeta::time`] on 2 ranks and 0 on one.
+    pub fn all_reduce(&self, bytes: f64, ranks: usize) -> f64 {
+        if ranks <= 1 {
+            return 0.0;
+        }
+        let k = ranks as f64;
+        (k - 1.0) * self.alpha_s + 2.0 * (k - 1.0) / k * bytes / self.bytes_per_s
+    }
+
+    /// The least-squares fit of `(bytes, seconds)` points; the latency is kept at 0 or
+    /// more, the bandwidth finite (1 PB/s when the times do not grow with the size).
+    pub fn fit(points: &[(f64, f64)]) -> AlphaBeta {
+        let (alpha, slope) = fit_line(points);
+        let slope = slope.max(1e-15);
+        AlphaBeta {
+            alpha_s: alpha.max(0.0),
+            bytes_per_s: 1.0 / slope,
+        }
+    }
+}
+
+/// One part's time against its FLOPs at one model width, measured (see
+/// [`TimeModel::part_seconds`]).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PartCurve {
+    /// The model width `d` the curve was measured at.
+    pub width: usize,
+    /// One part (a layer, the embeddings or the head) of one microbatch, forward and
+    /// backward, on one thread: `(FLOPs, seconds)` at a few sizes, by increasing FLOPs
+    /// (at least two points).
+    pub points: Vec<(f64, f64)>,
+    /// What a second thread adds at each of those sizes, as a fraction of the first
+    /// (`e`: 0 gains nothing, 1 halves the time).
+    pub thread_efficiency: Vec<f64>,
+}
+
+impl PartCurve {
+    /// `(S₁(x), e(x))` on this curve: interpolated linearly between the points; below
+    /// the first along the line through the first two (`e` the first's), above the last
+    /// in proportion to `x` (`e` the last's).
+    fn at(&self, x: f64) -> (f64, f64) {
+        let (pts, n) = (&self.points, self.points.len());
+        let e = |i: usize| self.thread_efficiency.get(i).copied().unwrap_or(0.0);
+        match n {
+            0 => (0.0, 0.0),
+            1 => (pts[0].1 * x / pts[0].0, e(0)),
+            _ if x <= pts[0].0 => {
+                let o = self.overhead();
+                (o + (pts[0].1 - o) * x / pts[0].0, e(0))
+            }
+            _ if x >= pts[n - 1].0 => (pts[n - 1].1 * x / pts[n - 1].0, e(n - 1)),
+            _ => {
+                let k = pts.iter().position(|p| p.0 > x).unwrap_or(n - 1);
+                let ((x0, s0), (x1, s1)) = (pts[k - 1], pts[k]);
+                let f = (x - x0) / (x1 - x0);
+                (s0 + f * (s1 - s0), e(k - 1) + f * (e(k) - e(k - 1)))
+            }
+        }
+    }
+
+    /// `S₁(0)`: the line through the first two points at 0 (at least 0).
+    pub fn overhead(&self) -> f64 {
+        match self.points[..] {
+            [(x0, s0), (x1, s1), ..] if x1 > x0 => (s0 - (s1 - s0) / (x1 - x0) * x0).max(0.0),
+            _ => 0.0,
+        }
+    }
+
+    /// FLOP/s of one thread at the largest size, and beyond.
+    pub fn rate(&self) -> f64 {
+        self.points.last().map_or(0.0, |&(x, s)| x / s)
+    }
+}
+
+/// This machine's rates: what [`predict_step_time`] divides the work by.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TimeModel {
+    /// A part's time against its FLOPs, at a few widths, by increasing width.
+    pub curves: Vec<PartCurve>,
+    /// FLOP/s of one compute thread at the largest size of the widest curve (`r`).
+    pub flops_per_s_per_thread: f64,
+    /// Seconds of a part with no FLOPs on the narrowest curve (`o`).
+    pub overhead_per_part_s: f64,
+    /// The forward's share of a part's forward and backward time (`φ`).
+    pub forward_fraction: f64,
+    /// Seconds per parameter of the step's end: gradient norm, clipping, AdamW (`a`).
+    pub optimizer_s_per_param: f64,
+    /// Seconds per parameter tensor of the step's end, besides its elements (`a_t`).
+    #[serde(default)]
+    pub optimizer_s_per_tensor: f64,
+    /// Pipeline messages, one way (a send and its receive).
+    pub p2p: AlphaBeta,
+    /// All-reduces on 2 ranks.
+    pub collective: AlphaBeta,
+}
+
+/// A predicted step, in seconds, with where the time goes.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StepTime {
+    /// The whole step.
+    pub seconds: f64,
+    /// The pipeline's makespan (compute, tensor-parallel all-reduces, messages, bubble).
+    pub pipeline_s: f64,
+    /// Compute of the busiest pipeline rank (forward and backward of its stages).
+    pub compute_s: f64,
+    /// That rank's tensor-parallel all-reduces.
+    pub tp_comm_s: f64,
+    /// That rank's pipeline sends and receives.
+    pub p2p_s: f64,
+    /// The data-parallel gradient all-reduce (slowest rank).
+    pub dp_allreduce_s: f64,
+    /// Gradient norm, clipping and AdamW (slowest rank).
+    pub optimizer_s: f64,
+    /// The simulated pipeline's idle fraction over all its ranks.
+    pub bubble_fraction: f64,
+}
+
+/// Predicts the wall time of one training step of `cfg` on a machine with rates `tm`
+/// (see the module docs for the formulas).
+pub fn predict_step_time<M: Model>(
+    cfg: &TrainConfig<M>,
+    tm: &TimeModel,
+) -> Result<StepTime, TrainError> {
+    let m = &cfg.model;
+    m.validate()?;
+    m.check_layout(cfg.tp, cfg.seq_len)?;
+    cfg.mesh().validate()?;
+    if cfg.microbatches == 0
+        || cfg.batch == 0
+        || !cfg.batch.is_multiple_of(cfg.dp * cfg.microbatches)
+    {
+        return Err(err!(
+            Config,
+            "--batch {} does not split into --dp {} × --microbatches {} (each at least 1): \
+             no step to predict",
+            cfg.batch,
+            cfg.dp,
+            cfg.microbatches
+        ));
+    }
+    let program = cfg.program()?;
+    let costs = m.costs(cfg.seq_len);
+    let plans = plan_stages(&costs, program.num_stages as usize, &cfg.split)?;
+    let threads = match cfg.threads_per_worker {
+        0 => threads::default_threads_per_worker(cfg.world_size()),
+        t => t,
+    };
+    let tokens = (cfg.microbatch_size() * cfg.seq_len) as f64;
+    let activation = tokens * m.width().unwrap_or(0) as f64 * 4.0;
+    let all_reduce = |bytes: f64| tm.collective.all_reduce(bytes, cfg.tp);
+    let flops = |p: &StagePlan| stage_flops(&costs, p);
+    let parts =
+        |p: &StagePlan| (p.blocks.len() + usize::from(p.embed) + usize::from(p.head)) as f64;
+    // Per stage: (compute, tp forward, tp backward) of one microbatch.
+    let stages: Vec<(f64, f64, f64)> = plans
+        .iter()
+        .map(|p| {
+            let k = parts(p);
+            let x = tokens * flops(p) / (cfg.tp as f64 * k);
+            let compute = k * tm.part_seconds(m.width(), x, threads);
+            let layers = p.blocks.len() as f64;
+            let mut fwd = 2.0 * layers * all_reduce(activation);
+            let mut bwd = fwd;
+            if p.embed {
+                fwd += all_reduce(activation);
+            }
+            if p.head {
+                fwd += 2.0 * all_reduce(tokens * 4.0);
+                bwd += all_reduce(activation);
+            }
+            (compute, fwd, bwd)
+        })
+        .collect();
+    let comm = if program.num_ranks() > 1 {
+        tm.p2p.time(activation) / 2.0
+    } else {
+        0.0
+    };
+    let phi = tm.forward_fraction;
+    let stage_costs: Vec<Costs> = stages
+        .iter()
+        .map(|&(c, f, b)| {
+            let backward = (1.0 - phi) * c + b;
+            Costs {
+                f: phi * c + f,
+                b: backward,
+                i: backward / 2.0,
+                w: backward / 2.0,
+                comm,
+            }
+        })
+        .collect();
+    let timeline = simulate_by_stage(&program, &stage_costs)?;
+    // Per pipeline rank: compute, tp all-reduces, parameters.
+    let total_flops = costs.embed + costs.blocks.iter().sum::<f64>() + costs.head;
+    let shapes = m.param_shapes()?;
+    let tensors = shapes.len() as f64;
+    let params = shapes
+        .iter()
+        .map(|(_, s)| s.iter().product::<usize>() as f64)
+        .sum::<f64>();
+    let mb = cfg.microbatches as f64;
+    let ranks: Vec<(f64, f64, f64, f64)> = (0..program.num_ranks() as u32)
+        .map(|r| {
+            let mine = program.stages_of_rank(r);
+            let sum = |f: &dyn Fn(usize) -> f64| mine.iter().map(|&s| f(s as usize)).sum::<f64>();
+            let share = sum(&|s| flops(&plans[s])) / total_flops.max(f64::MIN_POSITIVE);
+            (
+                mb * sum(&|s| stages[s].0),
+                mb * sum(&|s| stages[s].1 + stages[s].2),
+                params * share / cfg.tp as f64,
+                tensors * share,
+            )
+        })
+        .collect();
+    let busiest = (0..ranks.len())
+        .max_by(|&a, &b| timeline.ranks[a].busy.total_cmp(&timeline.ranks[b].busy))
+        .unwrap_or(0);
+    let bucket = (cfg.bucket_mib * 1024.0 * 1024.0).max(4.0);
+    let after = |n: f64, k: f64| {
+        let bytes = 4.0 * n;
+        // Each bucket pays the latency; together they move the bytes once.
+        let latency = tm.collective.all_reduce(0.0, cfg.dp);
+        let dp = (bytes / bucket).ceil().max(1.0) * latency
+            + (tm.collective.all_reduce(bytes, cfg.dp) - latency);
+        (
+            dp,
+            n * tm.optimizer_s_per_param + k * tm.optimizer_s_per_tensor,
+        )
+    };
+    let slowest = ranks
+        .iter()
+        .map(|r| after(r.2, r.3))
+        .max_by(|a, b| (a.0 + a.1).total_cmp(&(b.0 + b.1)))
+        .unwrap_or((0.0, 0.0));
+    let gather = if cfg.world_size() > 1 {
+        tm.collective.alpha_s
+    } else {
+        0.0
+    };
+    let pipeline_s = timeline.makespan;
+    Ok(StepTime {
+        seconds: pipeline_s + slowest.0 + slowest.1 + gather,
+        pipeline_s,
+        compute_s: ranks.get(busiest).map_or(0.0, |r| r.0),
+        tp_comm_s: ranks.get(busiest).map_or(0.0, |r| r.1),
+        p2p_s: timeline.ranks.get(busiest).map_or(0.0, |r| r.comm),
+        dp_allreduce_s: slowest.0,
+        optimizer_s: slowest.1,
+        bubble_fraction: timeline.bubble_fraction,
+    })
+}
+
+/// Training FLOPs per token of one stage.
+fn stage_flops(costs: &switchyard_models::LayerCosts, p: &StagePlan) -> f64 {
+    let blocks: f64 = costs.blocks[p.blocks.clone()].iter().sum();
+    blocks + if p.embed { costs.embed } else { 0.0 } + if p.head { costs.head } else { 0.0 }
+}
+
+/// `(intercept, slope)` of the least-squares line through `points` (a horizontal line
+/// through their mean when all `x` are equal).
+fn fit_line(points: &[(f64, f64)]) -> (f64, f64) {
+    let n = points.len().max(1) as f64;
+    let mx = points.iter().map(|p| p.0).sum::<f64>() / n;
+    let my = points.iter().map(|p| p.1).sum::<f64>() / n;
+    let sxx: f64 = points.iter().map(|p| (p.0 - mx).powi(2)).sum();
+    let sxy: f64 = points.iter().map(|p| (p.0 - mx) * (p.1 - my)).sum();
+    let slope = if sxx > 0.0 { sxy / sxx } else { 0.0 };
+    (my - slope * mx, slope)
+}
+
+/// The fastest of at least `reps` timings of `f`, in seconds, after one untimed run;
+/// short ones are repeated for up to 50 ms (at most 100 times), so that the fastest of
+/// them is not a scheduler's accident.
+fn fastest<E>(reps: usize, mut f: impl FnMut() -> Result<(), E>) -> Result<f64, E> {
+    f()?;
+    let (start, mut best) = (Instant::now(), f64::INFINITY);
+    for i in 0..100 {
+        if i >= reps && start.elapsed().as_secs_f64() > 0.05 {
+            break;
+        }
+        let t0 = Instant::now();
+        f()?;
+        best = best.min(t0.elapsed().as_secs_f64());
+    }
+    Ok(best)
+}
+
+impl TimeModel {
+    /// A rate `r` per thread and a fixed `o` per part at any width, nothing gained from
+    /// more threads: `S₁(x) = o + x / r` (for tests and back-of-the-envelope models).
+    pub fn linear(flops_per_s_per_thread: f64, overhead_per_part_s: f64) -> TimeModel {
+        let s = |x: f64| overhead_per_part_s + x / flops_per_s_per_thread;
+        TimeModel {
+            curves: vec![PartCurve {
+                width: 1,
+                points: vec![(1e6, s(1e6)), (1e30, s(1e30))],
+                thread_efficiency: vec![0.0, 0.0],
+            }],
+            flops_per_s_per_thread,
+            overhead_per_part_s,
+            forward_fraction: 1.0 / 3.0,
+            optimizer_s_per_param: 0.0,
+            optimizer_s_per_tensor: 0.0,
+            p2p: AlphaBeta {
+                alpha_s: 0.0,
+                bytes_per_s: 1e15,
+            },
+            collective: AlphaBeta {
+                alpha_s: 0.0,
+                bytes_per_s: 1e15,
+            },
+        }
+    }
+
+    /// Seconds of one part of `flops` FLOPs of a model of `width` (`None`: the widest
+    /// curve's) on a worker of `threads` threads: `S₁(x) / (1 + e(x) · (t − 1))` on each
+    /// curve ([`PartCurve`]), interpolated linearly in `log(width)` between the two
+    /// curves around `width` (the nearest one outside them).
+    pub fn part_seconds(&self, width: Option<usize>, flops: f64, threads: usize) -> f64 {
+        let on = |c: &PartCurve| {
+            let (s, e) = c.at(flops);
+            s.max(0.0) / (1.0 + e * (threads.max(1) - 1) as f64)
+        };
+        let (Some(first), Some(last)) = (self.curves.first(), self.curves.last()) else {
+            return 0.0;
+        };
+        let w = width.map_or(last.width, |w| w.max(1)) as f64;
+        match self.curves.iter().position(|c| c.width as f64 >= w) {
+            None => on(last),
+            Some(0) => on(first),
+            Some(k) => {
+                let (a, b) = (&self.curves[k - 1], &self.curves[k]);
+                let (la, lb) = ((a.width as f64).ln(), (b.width as f64).ln());
+                let f = (w.ln() - la) / (lb - la);
+                on(a) + f * (on(b) - on(a))
+            }
+        }
+    }
+
+    /// Measures this machine's rates in a few seconds. `probe(d, T)` is a small model of
+    /// the kind to predict (the same ops backend): 2 layers of width `d`, taking
+    /// sequences of `T` tokens. Timed: one microbatch's forward and backward of the
+    /// probe at widths 32, 128 and 256 and two or three lengths each, on one thread and
+    /// on two when there are two cores (the curves `S₁` and `e`), and the forward alone
+    /// at one size (`φ`); AdamW with the gradient norm and clipping over a million
+    /// parameters in 4 and in 256 tensors (`a`, `a_t`); messages and all-reduces of
+    /// three sizes between two ranks of the in-process threads backend (`α`, `β`, least
+    /// squares).
+    pub fn calibrate<M: Model>(
+        probe: impl Fn(usize, usize) -> M + Sync,
+    ) -> Result<TimeModel, TrainError> {
+        // Per width d: (T, sequences per microbatch), from launch-bound to FLOP-bound.
+        let grid: [(usize, &[(usize, usize)]); 3] = [
+            (32, &[(16, 1), (16, 8), (16, 32)]),
+            (128, &[(64, 1), (64, 4), (64, 16)]),
+            (256, &[(128, 1), (128, 4)]),
+        ];
+        let time_all = |threads: usize| {
+            on_pool(threads, || {
+                grid.iter()
+                    .map(|&(d, sizes)| {
+                        sizes
+                            .iter()
+                            .map(|&(t, b)| time_probe(&probe(d, t), t, b, false))
+                            .collect::<Result<Vec<_>, _>>()
+                    })
+                    .collect::<Result<Vec<_>, _>>()
+            })
+        };
+        let one = time_all(1)?;
+        let two = match threads::available_cores() >= 2 {
+            true => Some(time_all(2)?),
+            false => None,
+        };
+        let curves: Vec<PartCurve> = grid
+            .iter()
+            .enumerate()
+            .map(|(i, &(width, _))| PartCurve {
+                width,
+                points: one[i]
+                    .iter()
+                    .map(|r| (r.flops / r.parts, r.seconds / r.parts))
+                    .collect(),
+                thread_efficiency: match &two {
+                    Some(two) => two[i]
+                        .iter()
+                        .zip(&one[i])
+                        .map(|(two, one)| (one.seconds / two.seconds - 1.0).clamp(0.0, 1.0))
+                        .collect(),
+                    None => vec![0.0; one[i].len()],
+                },
+            })
+            .collect();
+        let forward_fraction = on_pool(1, || {
+            let run = time_probe(&probe(128, 64), 64, 4, true)?;
+            Ok((run.forward / run.seconds).clamp(0.05, 0.95))
+        })?;
+        // A million parameters in 4 tensors, then in 256: per element, per tensor.
+        let (few, many) = on_pool(1, || Ok((time_optimizer(4)?, time_optimizer(256)?)))?;
+        let optimizer_s_per_param = few / (1 << 20) as f64;
+        let optimizer_s_per_tensor = ((many - few) / 252.0).max(0.0);
+        let (p2p, collective) = time_comm()?;
+        Ok(TimeModel {
+            flops_per_s_per_thread: curves[curves.len() - 1].rate(),
+            overhead_per_part_s: curves[0].overhead(),
+            curves,
+            forward_fraction,
+            optimizer_s_per_param,
+            optimizer_s_per_tensor,
+            p2p,
+            collective,
+        })
+    }
+}
+
+/// Runs `f` on a fresh thread in a compute pool of `threads` threads (as a worker
+/// computes), so that the caller's own pool, if any, is not involved.
+fn on_pool<T: Send>(
+    threads: usize,
+    f: impl FnOnce() -> Result<T, TrainError> + Send,
+) -> Result<T, TrainError> {
+    std::thread::scope(|s| {
+        s.spawn(|| threads::worker_pool(threads)?.install(f))
+            .join()
+            .unwrap_or_else(|_| Err(err!(Config, "the calibration thread panicked")))
+    })
+}
+
+/// One timed microbatch.
+struct Timed {
+    /// Forward and backward, seconds.
+    seconds: f64,
+    /// Forward (and the loss) alone, when asked for.
+    forward: f64,
+    flops: f64,
+    parts: f64,
+}
+
+/// Forward and backward of one microbatch of `b` sequences of `t` tokens through the
+/// whole of `model` as one stage, on the current thread pool; the forward alone too
+/// when `forward`.
+fn time_probe<M: Model>(model: &M, t: usize, b: usize, forward: bool) -> Result<Timed, TrainError> {
+    model.validate()?;
+    model.check_layout(1, t)?;
+    let costs = model.costs(t);
+    let plan = plan_stages(&costs, 1, &SplitSpec::Even)?.remove(0);
+    let store = ParamStore::new(DType::F32, 0, 1, ParamSource::Init { seed: 0 })?;
+    let stage = model.stage(&plan, &store, single_device())?;
+    let vocab = model.vocab_size().unwrap_or(256).max(2);
+    let ids: Vec<u32> = (0..b * t).map(|i| (i * 7 % vocab) as u32).collect();
+    let x = Tensor::from_vec(ids.clone(), (b, t), &Device::Cpu)?;
+    let y = Tensor::from_vec(
+        ids.iter()
+            .map(|&i| (i + 1) % vocab as u32)
+            .collect::<Vec<_>>(),
+        (b, t),
+        &Device::Cpu,
+    )?;
+    let step = |backward: bool| -> candle_core::Result<()> {
+        stage.begin_step()?;
+        let loss = stage.loss(&stage.forward(&x)?, &y)?;
+        if backward {
+            loss.backward()?;
+        }
+        stage.end_step();
+        Ok(())
+    };
+    let reps = 3;
+    Ok(Timed {
+        seconds: fastest(reps, || step(true))?,
+        forward: match forward {
+            true => fastest(reps, || step(false))?,
+            false => 0.0,
+        },
+        flops: (b * t) as f64 * stage_flops(&costs, &plan),
+        parts: (plan.blocks.len() + 2) as f64,
+    })
+}
+
+/// Seconds of the step's end (sum of squares, clipping, AdamW) over a million
+/// parameters in `tensors` tensors.
+fn time_optimizer(tensors: usize) -> Result<f64, TrainError> {
+    let n = (1 << 20) / tensors;
+    let params = (0..tensors)
+        .map(|_| Var::ones(n, DType::F32, &Device::Cpu))
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    let grads: Vec<Option<Tensor>> = params
+        .iter()
+        .map(|p| p.as_tensor().affine(1e-3, 0.0).map(Some))
+        .collect::<candle_core::Result<_>>()?;
+    let mut opt = AdamW::new(params, AdamWConfig::default());
+    fastest(3, || -> Result<(), TrainError> {
+        let mut clipped = Vec::with_capacity(grads.len());
+        for g in grads.iter().flatten() {
+            g.sqr()?.sum_all()?.to_scalar::<f32>()?;
+            clipped.push(Some(g.affine(0.5, 0.0)?));
+        }
+        opt.step(&clipped, 1e-3)?;
+        Ok(())
+    })
+}
+
+/// Pipeline messages (ping-pong, one way) and all-reduces between two ranks of the
+/// threads backend, each fitted through three sizes.
+fn time_comm() -> Result<(AlphaBeta, AlphaBeta), TrainError> {
+    let sizes = [1usize << 8, 1 << 14, 1 << 18];
+    let reps = 20;
+    let per_rank = Launcher::new(2).threads_per_worker(1).run(
+        |comm: Arc<dyn Communicator>| -> Result<Vec<(f64, f64, f64)>, TrainError> {
+            let me = comm.rank();
+            let mut out = Vec::new();
+            for (k, &n) in sizes.iter().enumerate() {
+                let x = Tensor::ones(n, DType::F32, &Device::Cpu)?;
+                let mut tag = (k * 1000) as u64;
+                let mut ping = || -> Result<(), TrainError> {
+                    tag += 1;
+                    if me == 0 {
+                        comm.send(&x, 1, tag)?;
+                        comm.recv(1, tag)?;
+                    } else {
+                        let y = comm.recv(0, tag)?;
+                        comm.send(&y, 0, tag)?;
+                    }
+                    Ok(())
+                };
+                comm.barrier()?;
+                let p2p = fastest(reps, &mut ping)? / 2.0;
+                comm.barrier()?;
+                let reduce = fastest(reps, || comm.all_reduce(&x, ReduceOp::Sum).map(|_| ()))?;
+                out.push(((4 * n) as f64, p2p, reduce));
+            }
+            Ok(out)
+        },
+    )?;
+    let rank0 = &per_rank[0];
+    Ok((
+        AlphaBeta::fit(&rank0.iter().map(|r| (r.0, r.1)).collect::<Vec<_>>()),
+        AlphaBeta::fit(&rank0.iter().map(|r| (r.0, r.2)).collect::<Vec<_>>()),
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use switchyard_schedule::{simulate, ScheduleChoice, ScheduleKind};
+
+    /// Round numbers: 1 GFLOP/s a thread, no overhead, 1 ms and 1 GB/s per collective.
+    fn tm() -> TimeModel {
+        let mut tm = TimeModel::linear(1e9, 0.0);
+        tm.curves[0].thread_efficiency = vec![1.0, 1.0];
+        TimeModel {
+            p2p: AlphaBeta {
+                alpha_s: 0.0,
+                bytes_per_s: 1e9,
+            },
+            collective: AlphaBeta {
+                alpha_s: 1e-3,
+                bytes_per_s: 1e9,
+            },
+            ..tm
+        }
+    }
+
+    fn cfg(dp: usize, pp: usize, tp: usize) -> TrainConfig<GptConfig> {
+        TrainConfig {
+            model: GptConfig::tiny(4),
+            dp,
+            pp,
+            tp,
+            schedule: ScheduleChoice::Named(ScheduleKind::OneFOneB),
+            microbatches: 4,
+            batch: 8,
+            seq_len: 16,
+            threads_per_worker: 1,
+            ..TrainConfig::default()
+        }
+    }
+
+    fn flops_per_step(c: &TrainConfig<GptConfig>) -> f64 {
+        let k = c.model.costs(c.seq_len);
+        c.tokens_per_step() as f64 * (k.embed + k.blocks.iter().sum::<f64>() + k.head)
+    }
+
+    #[test]
+    fn one_worker_is_its_flops_over_the_rate() {
+        let c = cfg(1, 1, 1);
+        let s = predict_step_time(&c, &tm()).unwrap();
+        let want = flops_per_step(&c) / 1e9;
+        assert!((s.seconds - want).abs() < 1e-12 * want, "{s:?} {want}");
+        assert_eq!((s.tp_comm_s, s.p2p_s, s.dp_allreduce_s), (0.0, 0.0, 0.0));
+        assert_eq!(s.bubble_fraction, 0.0);
+        // Two threads at full efficiency halve it; at none they do nothing.
+        let two = TrainConfig {
+            threads_per_worker: 2,
+            ..c.clone()
+        };
+        let half = predict_step_time(&two, &tm()).unwrap().seconds;
+        assert!((half - want / 2.0).abs() < 1e-12 * want);
+        let mut flat = tm();
+        flat.curves[0].thread_efficiency = vec![0.0, 0.0];
+        assert_eq!(predict_step_time(&two, &flat).unwrap().seconds, s.seconds);
+    }
+
+    #[test]
+    fn doubling_tp_halves_compute_and_adds_the_all_reduces() {
+        let (one, two) = (cfg(1, 1, 1), cfg(1, 1, 2));
+        let a = predict_step_time(&one, &tm()).unwrap();
+        let b = predict_step_time(&two, &tm()).unwrap();
+        assert!((b.compute_s - a.compute_s / 2.0).abs() < 1e-12);
+        // Per microbatch: 4 layers × (2 + 2) all-reduces of n · d · 4 bytes, the
+        // embeddings' and the head's backward one more each, the loss's two of n · 4.
+        let n = (two.microbatch_size() * two.seq_len) as f64;
+        let act = 1e-3 + n * 32.0 * 4.0 / 1e9;
+        let want = 4.0 * (4.0 * 4.0 * act + 2.0 * act + 2.0 * (1e-3 + n * 4.0 / 1e9));
+        assert!((b.tp_comm_s - want).abs() < 1e-12, "{} {want}", b.tp_comm_s);
+        // And the world's all-gather of the losses: one latency.
+        assert!((b.seconds - (a.seconds / 2.0 + want + 1e-3)).abs() < 1e-9);
+    }
+
+    #[test]
+    fn a_pipeline_bubble_is_the_simulators() {
+        // A wide model with a small vocabulary: the head and embeddings are nearly free.
+        let c = TrainConfig {
+            model: GptConfig {
+                vocab_size: 8,
+                d_model: 64,
+                ..GptConfig::tiny(4)
+            },
+            ..cfg(1, 2, 1)
+        };
+        let s = predict_step_time(&c, &tm()).unwrap();
+        // Each stage by hand: its FLOPs over the rate, a third forward; messages of
+        // n · d · 4 bytes at 1 GB/s, half to the send and half to the receive.
+        let k = c.model.costs(c.seq_len);
+        let n = (c.microbatch_size() * c.seq_len) as f64;
+        let stage = |extra: f64| {
+            let t = n * (2.0 * k.blocks[0] + extra) / 1e9;
+            let b = 2.0 * t / 3.0;
+            Costs {
+                f: t / 3.0,
+                b,
+                i: b / 2.0,
+                w: b / 2.0,
+                comm: n * 64.0 * 4.0 / 1e9 / 2.0,
+            }
+        };
+        let program = c.program().unwrap();
+        let sim = simulate_by_stage(&program, &[stage(k.embed), stage(k.head)]).unwrap();
+        assert!((s.pipeline_s - sim.makespan).abs() < 1e-12 * sim.makespan);
+        assert!((s.bubble_fraction - sim.bubble_fraction).abs() < 1e-12);
+        // Which is close to the textbook (p − 1)/(m + p − 1) of even stages.
+        let even = simulate(&program, &Costs::default()).unwrap();
+        assert!((even.bubble_fraction - 1.0 / 5.0).abs() < 1e-12);
+        assert!(
+            (s.bubble_fraction - even.bubble_fraction).abs() < 0.02,
+            "{s:?}"
+        );
+        assert!(s.p2p_s > 0.0);
+    }
+
+    #[test]
+    fn data_parallel_adds_the_gradient_all_reduce() {
+        let s = predict_step_time(&cfg(2, 1, 1), &tm()).unwrap();
+        let one = predict_step_time(&cfg(1, 1, 1), &tm()).unwrap();
+        let bytes = 4.0 * GptConfig::tiny(4).param_count() as f64;
+        let want = 1e-3 + bytes / 1e9;
+        assert!((s.dp_allreduce_s - want).abs() < 1e-12, "{s:?}");
+        assert!((s.seconds - (one.seconds / 2.0 + want + 1e-3)).abs() < 1e-9);
+        // The step's end: per parameter and per tensor, on every replica.
+        let tm = TimeModel {
+            optimizer_s_per_param: 1e-9,
+            optimizer_s_per_tensor: 1e-6,
+            ..tm()
+        };
+        let shapes = Model::param_shapes(&GptConfig::tiny(4)).unwrap();
+        let want = bytes / 4.0 * 1e-9 + shapes.len() as f64 * 1e-6;
+        let s = predict_step_time(&cfg(2, 1, 1), &tm).unwrap();
+        assert!((s.optimizer_s - want).abs() < 1e-12, "{s:?} {want}");
+    }
+
+    #[test]
+    fn a_part_is_timed_on_the_measured_curves() {
+        let narrow = PartCurve {
+            width: 16,
+            points: vec![(1e6, 2e-3), (2e6, 3e-3), (4e6, 4e-3)],
+            thread_efficiency: vec![0.0, 0.5, 1.0],
+        };
+        let tm = TimeModel {
+            curves: vec![narrow.clone()],
+            ..TimeModel::linear(1.0, 0.0)
+        };
+        let close = |a: f64, b: f64| (a - b).abs() < 1e-15;
+        let at = |x: f64, t: usize| tm.part_seconds(Some(16), x, t);
+        // At and between the points; below the first along the first two's line (from
+        // o = 1 ms), above the last in proportion.
+        assert!(close(narrow.overhead(), 1e-3) && close(narrow.rate(), 1e9));
+        assert!(close(at(2e6, 1), 3e-3));
+        assert!(close(at(3e6, 1), 3.5e-3));
+        assert!(close(at(0.0, 1), 1e-3));
+        assert!(close(at(5e5, 1), 1.5e-3));
+        assert!(close(at(8e6, 1), 8e-3));
+        // A second thread: nothing on the smallest, half of its time on the largest,
+        // interpolated between, the largest's beyond.
+        assert!(close(at(1e6, 2), 2e-3));
+        assert!(close(at(3e6, 2), 3.5e-3 / 1.75));
+        assert!(close(at(8e6, 3), 8e-3 / 3.0));
+        // Two widths: geometric interpolation between them, the nearest outside.
+        let wide = PartCurve {
+            width: 64,
+            points: vec![(1e6, 1e-3), (4e6, 2e-3)],
+            thread_efficiency: vec![0.0, 0.0],
+        };
+        let tm = TimeModel {
+            curves: vec![narrow, wide],
+            ..tm
+        };
+        let x = 4e6;
+        assert!(close(tm.part_seconds(Some(32), x, 1), 3e-3));
+        assert!(close(tm.part_seconds(Some(8), x, 1), 4e-3));
+        assert!(close(tm.part_seconds(Some(128), x, 1), 2e-3));
+        assert!(close(tm.part_seconds(None, x, 1), 2e-3));
+    }
+
+    #[test]
+    fn a_line_and_an_alpha_beta_fit_exact_points() {
+        let ab = AlphaBeta::fit(&[(0.0, 1e-6), (1e6, 1e-6 + 1e-3), (2e6, 1e-6 + 2e-3)]);
+        assert!((ab.alpha_s - 1e-6).abs() < 1e-15 && (ab.bytes_per_s - 1e9).abs() < 1.0);
+        assert_eq!(ab.all_reduce(1e6, 1), 0.0);
+        assert!((ab.all_reduce(1e6, 4) - (3e-6 + 1.5e-3)).abs() < 1e-12);
+        let json = serde_json::to_string(&tm()).unwrap();
+        assert_eq!(serde_json::from_str::<TimeModel>(&json).unwrap(), tm());
+    }
+
+    #[test]
+    fn a_layout_that_cannot_run_is_refused() {
+        let e = predict_step_time(&cfg(1, 1, 3), &tm())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("--tp 3"), "{e}");
+        let e = predict_step_time(
+            &TrainConfig {
+                batch: 6,
+                ..cfg(1, 1, 1)
+            },
+            &tm(),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("does not split"), "{e}");
+    }
+}
