@@ -566,3 +566,80 @@ fn a_model_over_the_memory_budget_is_refused_before_any_step() {
         "1GiB",
     ])));
 }
+
+#[test]
+fn plan_ranks_the_layouts_that_fit_and_explains_one() {
+    let model = [
+        "--layers",
+        "4",
+        "--d-model",
+        "32",
+        "--heads",
+        "4",
+        "--seq-len",
+        "16",
+        "--batch",
+        "8",
+    ];
+    let args = |extra: &[&str]| -> Vec<String> {
+        ["plan", "--workers", "4"]
+            .iter()
+            .chain(model.iter())
+            .chain(extra.iter())
+            .map(|s| s.to_string())
+            .collect()
+    };
+    let table = ok(&strs(&args(&["--memory-per-worker", "1GiB", "--top", "0"])));
+    for want in [
+        "dp1 pp2 tp2 1f1b m2",
+        "dp4 pp1 tp1 1f1b m2",
+        "fits",
+        "peak/worker",
+    ] {
+        assert!(table.contains(want), "{want}: {table}");
+    }
+    let plan_json = |budget: &str| -> serde_json::Value {
+        serde_json::from_str(&ok(&strs(&args(&[
+            "--json",
+            "--memory-per-worker",
+            budget,
+        ]))))
+        .unwrap()
+    };
+    let peaks: Vec<u64> = plan_json("1GiB")["layouts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|l| l["predicted_peak_bytes"].as_u64())
+        .collect();
+    let (lo, hi) = (*peaks.iter().min().unwrap(), *peaks.iter().max().unwrap());
+    assert!(lo < hi);
+    let budget = (lo + hi) / 2;
+    let json = plan_json(&budget.to_string());
+    let layouts = json["layouts"].as_array().unwrap();
+    let verdicts: Vec<&str> = layouts
+        .iter()
+        .map(|l| l["verdict"].as_str().unwrap())
+        .collect();
+    // A budget between the smallest and the largest splits them, fitting ones first.
+    assert!(
+        verdicts.contains(&"fits") && verdicts.contains(&"too_big"),
+        "{verdicts:?}"
+    );
+    let first_too_big = verdicts.iter().position(|v| *v != "fits").unwrap();
+    assert!(verdicts[first_too_big..].iter().all(|v| *v != "fits"));
+    for l in &layouts[..first_too_big] {
+        assert!(l["predicted_peak_bytes"].as_u64().unwrap() <= budget, "{l}");
+    }
+    let explained = ok(&strs(&args(&["--explain", "dp1 pp2 tp2 gpipe m4"])));
+    assert!(explained.contains("pp rank 1"), "{explained}");
+    let bad = switchyard(&strs(&args(&["--explain", "pp2 sideways"])));
+    assert_eq!(bad.status.code(), Some(1));
+    // Other hardware: the cluster's memory is the budget, its rates give the times.
+    let cluster = concat!(env!("CARGO_MANIFEST_DIR"), "/clusters/dgx-a100-80gb.toml");
+    let dgx = ok(&strs(&args(&["--cluster", cluster])));
+    assert!(
+        dgx.contains("DGX A100 80GB") && dgx.contains("80.00 GiB") && dgx.contains(" ms"),
+        "{dgx}"
+    );
+}
