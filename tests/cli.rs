@@ -643,3 +643,40 @@ fn plan_ranks_the_layouts_that_fit_and_explains_one() {
         "{dgx}"
     );
 }
+
+#[test]
+fn a_layout_in_one_flag_or_chosen_by_the_planner_trains() {
+    // TINY without its --microbatches (a layout says how many).
+    let args = |extra: &[&str]| -> Vec<String> {
+        let model = [
+            "train",
+            "--d-model",
+            "16",
+            "--layers",
+            "2",
+            "--heads",
+            "2",
+            "--seq-len",
+            "8",
+            "--batch",
+            "4",
+            "--quiet",
+            "--threads-per-worker",
+            "1",
+            "--steps",
+            "1",
+        ];
+        model.iter().chain(extra).map(|s| s.to_string()).collect()
+    };
+    let out = ok(&strs(&args(&["--layout", "dp2 pp2 tp1 gpipe m2"])));
+    assert!(out.contains("dp 2 × pp 2 × tp 1"), "{out}");
+    let o = switchyard(&strs(&args(&["--layout", "auto", "--workers", "2"])));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("--layout auto chose"), "{err}");
+    assert!(String::from_utf8_lossy(&o.stdout).contains("on 2 workers"));
+    // The layout flags and --layout exclude each other; --workers needs auto.
+    let both = switchyard(&strs(&args(&["--layout", "auto", "--dp", "2"])));
+    assert_eq!(both.status.code(), Some(2));
+    assert!(fails(&strs(&args(&["--workers", "2"]))).contains("--workers is for --layout auto"));
+}

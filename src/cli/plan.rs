@@ -14,9 +14,6 @@ use super::train::{resolve, TrainArgs};
 
 #[derive(Args)]
 pub struct PlanArgs {
-    /// Workers to plan for (every dp × pp × tp that multiplies to it)
-    #[arg(long, default_value_t = 4)]
-    pub workers: usize,
     /// Memory of one worker (512MiB, 80GB); default: this machine's available memory
     /// shared out over the workers
     #[arg(long, value_name = "SIZE")]
@@ -44,13 +41,89 @@ pub struct PlanArgs {
     /// Rows of the table (0: all)
     #[arg(long, default_value_t = 15)]
     pub top: usize,
-    /// The model and batch, as for `switchyard train` (the layout flags are ignored)
+    /// The model and batch, as for `switchyard train` (the layout flags are ignored;
+    /// --workers, default 4, is how many workers to plan for)
     #[command(flatten)]
     pub train: TrainArgs,
 }
 
+/// The workers a plan is for when none are given.
+const DEFAULT_WORKERS: usize = 4;
+
+/// This machine's rates for `ops`, measured now (about 5 s).
+pub fn calibrate(ops: switchyard_models::OpsBackend) -> anyhow::Result<TimeModel> {
+    eprintln!("switchyard: measuring this machine's compute and communication rates ...");
+    TimeModel::calibrate(|d, t| switchyard::bench::probe(ops, d, t)).map_err(|e| anyhow!("{e}"))
+}
+
+/// `cfg` with the layout `--layout` names: its text form, or `auto`, the fastest layout
+/// of `workers` workers that fits the memory budget (`--max-memory-per-worker`, else
+/// this machine's available memory shared out), by this machine's measured rates.
+pub fn choose_layout(
+    cfg: TrainConfig<GptConfig>,
+    layout: &str,
+    workers: Option<usize>,
+    speak: bool,
+) -> anyhow::Result<TrainConfig<GptConfig>> {
+    if layout != "auto" {
+        if workers.is_some() {
+            bail!("--workers goes with --layout auto (the layout {layout} says its workers)");
+        }
+        let l: Layout = layout.parse().map_err(|e| anyhow!("--layout: {e}"))?;
+        return Ok(l.apply(&cfg));
+    }
+    let workers = workers.unwrap_or(DEFAULT_WORKERS);
+    if workers == 0 {
+        bail!("--workers must be at least 1");
+    }
+    let budget = match cfg.max_memory_per_worker {
+        Some(b) => Some(b.0),
+        None => switchyard_train::memory_info()
+            .available
+            .map(|m| m / workers as u64),
+    };
+    let tm = calibrate(cfg.model.ops)?;
+    let time = |c: &TrainConfig<GptConfig>| predict_step_time(c, &tm).ok().map(|t| t.seconds);
+    let all = plan(&cfg, workers, budget, &time);
+    let fitting = all.iter().filter(|c| c.verdict == Verdict::Fits).count();
+    let Some(best) = all.first().filter(|c| c.verdict == Verdict::Fits) else {
+        let smallest = all
+            .iter()
+            .filter(|c| !c.memory.is_empty())
+            .min_by_key(|c| c.peak_bytes());
+        bail!(
+            "--layout auto: no layout of {workers} workers fits {}{}; more workers, a smaller \
+             model or batch would",
+            budget
+                .map(|b| format!("{} per worker", Bytes(b)))
+                .unwrap_or_default(),
+            smallest
+                .map(|c| format!(
+                    " (the smallest, {}, needs {})",
+                    c.layout,
+                    Bytes(c.peak_bytes())
+                ))
+                .unwrap_or_default()
+        );
+    };
+    if speak {
+        eprintln!(
+            "switchyard: --layout auto chose {} of {fitting} layouts that fit{}: predicted {} \
+             per worker, {:.1} ms a step (`switchyard plan` shows them all)",
+            best.layout,
+            budget
+                .map(|b| format!(" {} per worker", Bytes(b)))
+                .unwrap_or_default(),
+            Bytes(best.peak_bytes()),
+            best.step_s.unwrap_or(f64::NAN) * 1e3
+        );
+    }
+    Ok(best.layout.apply(&cfg))
+}
+
 pub fn run(a: PlanArgs) -> anyhow::Result<()> {
-    if a.workers == 0 {
+    let workers = a.train.workers.unwrap_or(DEFAULT_WORKERS);
+    if workers == 0 {
         bail!("--workers must be at least 1");
     }
     let (base, _, _) = resolve(&a.train)?;
@@ -68,7 +141,7 @@ pub fn run(a: PlanArgs) -> anyhow::Result<()> {
         (None, Some(c)) => Some(c.memory_per_device.0),
         (None, None) => switchyard_train::memory_info()
             .available
-            .map(|m| m / a.workers as u64),
+            .map(|m| m / workers as u64),
     };
     let measured = time_model(&a, &base)?;
     // A cluster's time model depends on the layout (which axis crosses nodes).
@@ -87,13 +160,13 @@ pub fn run(a: PlanArgs) -> anyhow::Result<()> {
         let tm = model_for(&layout.apply(&base));
         return explain(&base, &c, tm.as_ref(), budget, a.json);
     }
-    let all = plan(&base, a.workers, budget, &time);
+    let all = plan(&base, workers, budget, &time);
     if a.json {
         let rows: Vec<serde_json::Value> = all.iter().map(|c| row_json(&base, c)).collect();
         println!(
             "{}",
             serde_json::to_string_pretty(&serde_json::json!({
-                "workers": a.workers,
+                "workers": workers,
                 "memory_per_worker": budget,
                 "model": base.model,
                 "batch": base.batch,
@@ -111,16 +184,13 @@ pub fn run(a: PlanArgs) -> anyhow::Result<()> {
             c.peak_flops * c.achievable / 1e12
         );
     }
-    print_table(&base, &all, a.workers, budget, a.top);
+    print_table(&base, &all, workers, budget, a.top);
     Ok(())
 }
 
 fn time_model(a: &PlanArgs, base: &TrainConfig<GptConfig>) -> anyhow::Result<Option<TimeModel>> {
     if a.calibrate {
-        eprintln!("switchyard: calibrating this machine's rates (about 10 s) ...");
-        let ops = base.model.ops;
-        let tm = TimeModel::calibrate(|d, t| switchyard::bench::probe(ops, d, t))
-            .map_err(|e| anyhow!("{e}"))?;
+        let tm = calibrate(base.model.ops)?;
         if let Some(p) = &a.save_calibration {
             std::fs::write(p, serde_json::to_string_pretty(&tm)?)
                 .with_context(|| format!("cannot write --save-calibration {}", p.display()))?;

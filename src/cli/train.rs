@@ -42,6 +42,14 @@ pub struct TrainArgs {
     /// Layers per stage: even, balanced, or counts such as 3,2
     #[arg(long)]
     pub split: Option<SplitSpec>,
+    /// The whole layout in one: `auto` (the fastest that `switchyard plan` finds fitting
+    /// --workers and the memory budget) or its text form, such as "dp2 pp2 tp1 1f1b m8"
+    #[arg(long, value_name = "auto|LAYOUT",
+          conflicts_with_all = ["dp", "pp", "tp", "schedule", "microbatches", "virtual_stages"])]
+    pub layout: Option<String>,
+    /// Workers for --layout auto (default: 4); `switchyard plan` plans for this many
+    #[arg(long)]
+    pub workers: Option<usize>,
     #[arg(long)]
     pub steps: Option<usize>,
     /// Sequences per step, over all replicas
@@ -443,6 +451,17 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
     let corpus = data::open(&data.spec).map_err(anyhow::Error::msg)?;
     if !data.vocab_given {
         cfg.model.vocab_size = corpus.vocab_size();
+    }
+    match (&a.layout, a.workers) {
+        (Some(l), _) if l == "auto" && matches!(a.backend, Backend::Mpi) => bail!(
+            "--layout auto times this machine, and every process would choose on its own: \
+             run `switchyard plan` once and give its layout (--layout \"dp2 pp2 tp1 1f1b m8\")"
+        ),
+        (Some(layout), workers) => {
+            cfg = super::plan::choose_layout(cfg, layout, workers, rank0)?;
+        }
+        (None, Some(_)) => bail!("--workers is for --layout auto"),
+        (None, None) => {}
     }
     cfg.validate()
         .map_err(|e| anyhow!("invalid configuration: {e}"))?;
