@@ -188,6 +188,16 @@ impl<M: Model> TrainConfig<M> {
     /// overflows, more stages than layers, a model larger than this machine's memory)
     /// reaches the schedule generator or an allocation.
     pub fn validate(&self) -> Result<(), TrainError> {
+        self.validate_with(true)
+    }
+
+    /// [`TrainConfig::validate`] without this machine: for planning a run elsewhere
+    /// (`switchyard plan --cluster`), a model larger than this machine's memory passes.
+    pub fn validate_layout(&self) -> Result<(), TrainError> {
+        self.validate_with(false)
+    }
+
+    fn validate_with(&self, this_machine: bool) -> Result<(), TrainError> {
         self.device.check()?;
         self.device_is_wired()?;
         let m = &self.model;
@@ -216,7 +226,7 @@ impl<M: Model> TrainConfig<M> {
         }
         // One worker holds at least its share of one replica (pp × tp workers split it).
         let share = self.state_bytes() / (self.pp as u128 * self.tp as u128);
-        if let Some(total) = memory_info().total {
+        if let Some(total) = memory_info().total.filter(|_| this_machine) {
             if share > u128::from(total) {
                 return Err(err!(
                     Config,

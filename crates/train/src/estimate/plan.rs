@@ -248,7 +248,7 @@ pub fn candidate<M: Model>(
         memory: Vec::new(),
         step_s: None,
     };
-    if let Err(e) = cfg.validate() {
+    if let Err(e) = cfg.validate_layout() {
         return invalid(e.to_string());
     }
     let memory = match estimate_memory(&cfg) {
