@@ -349,10 +349,10 @@ fn explain(
             .by_category()
             .into_iter()
             .filter(|(_, b)| *b > 0)
-            .map(|(k, b)| format!("{k} {:.2}", mib(b as u64)))
+            .map(|(k, b)| format!("{k} {:.2} MiB", mib(b as u64)))
             .collect();
         println!(
-            "    pp rank {}: {:.2} MiB ({}) MiB",
+            "    pp rank {}: {:.2} MiB ({})",
             r.pp,
             mib(r.peak_bytes as u64),
             split.join(", ")
