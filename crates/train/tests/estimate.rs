@@ -1,6 +1,6 @@
-//! The memory estimator against measurement (issue 15 §2): for pipeline and tensor
-//! parallelism up to 4, under every schedule, the predicted peak of every rank is within
-//! 10 % of what `switchyard-mem` measures. Memory is deterministic,
+//! The memory estimator against measurement (issue 15 §2): for data, pipeline and tensor
+//! parallelism up to 4 and their combinations up to 2 × 2 × 2, under every schedule, the
+//! predicted peak of every rank is within 10 % of what `switchyard-mem` measures. Memory is deterministic,
 //! so this is exact enough to hold in a test (time is not, and is checked in the bench).
 
 use std::str::FromStr;
@@ -87,13 +87,11 @@ fn worst_error(c: &TrainConfig<GptConfig>) -> f64 {
     worst
 }
 
-/// Every single-replica layout up to 4 on the pipeline and tensor axes, under every
-/// schedule. (Data parallelism on threads is left out: the in-process backend hands
-/// every member of a collective one shared result, charged to the rank that made it, so
-/// a replica that runs ahead is charged for what a slower one still holds. Measured, the
-/// estimate is then within 16 %; see `docs/reference/memory.md`.)
+/// Up to 4 on each axis and 2 × 2 × 2, under every schedule. (pp 4 × tp 4 is left out:
+/// measured, its interleaved schedule is predicted 11 % low; see
+/// `docs/reference/memory.md`.)
 #[test]
-fn the_predicted_peak_is_within_ten_percent_on_every_single_replica_layout() {
+fn the_predicted_peak_is_within_ten_percent_up_to_four_on_each_axis() {
     let mut worst: f64 = 0.0;
     for layout in [
         (1, 1, 1),
@@ -101,7 +99,12 @@ fn the_predicted_peak_is_within_ten_percent_on_every_single_replica_layout() {
         (1, 4, 1),
         (1, 1, 2),
         (1, 1, 4),
+        (2, 1, 1),
+        (4, 1, 1),
         (1, 2, 2),
+        (2, 2, 1),
+        (2, 1, 2),
+        (2, 2, 2),
     ] {
         for s in schedules(layout.1) {
             let mut c = cfg(layout, s, gpt(128, 8));

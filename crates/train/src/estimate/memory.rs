@@ -15,14 +15,17 @@
 //! The timeline walks the rank's actions in program order. A forward of stage `s` adds
 //! `A_s = tokens · a_s + per-microbatch` bytes (`a_s`: the saved elements per token the
 //! model declares, times 4). A backward holds, on top of everything live, the stage's new
-//! parameter gradients `G_s = 4·Ψ_s`, the running sum's copy when gradients of an
-//! earlier microbatch are already kept, and the gradients flowing back
-//! (`tokens · backward_per_token · 4`); then it frees `A_s` and keeps `G_s`. A split
-//! backward (`I`, `W`) keeps the weight gradients pending from `I` to `W`. After the last
+//! parameter gradients `G_s = 4·Ψ_s` and the gradients flowing back
+//! (`tokens · backward_per_token · 4`); then it frees `A_s`, and adds `G_s` into the
+//! gradients kept from earlier microbatches one tensor at a time (the new ones and one
+//! sum live at once), or keeps them when they are the first. A split backward (`I`, `W`)
+//! keeps the weight gradients pending from `I` to `W`. A gradient a rank sends back stays
+//! its memory until the previous stage's backward has used it (the in-process transport
+//! moves tensors without copying; when is the schedule simulator's). After the last
 //! action every parameter has a gradient (`4·Ψ`), and the step adds at most one of: the
-//! data-parallel all-reduce of a bucket (three bucket-sized copies), the clipped copy of
-//! every gradient (`4·Ψ`), or AdamW's f64 copies of the largest tensor's gradient
-//! (`16·largest`). The peak is the largest of these moments.
+//! data-parallel all-reduce of a bucket (the concatenated bucket and the rank's copy of
+//! the sum), the clipped copy of every gradient (`4·Ψ`), or AdamW's f64 copies of the
+//! largest tensor's gradient (`16·largest`). The peak is the largest of these moments.
 //!
 //! Two things are measured, not derived: the bookkeeping per tensor (candle's tensor and
 //! shape headers and the store's names, about 200 bytes) and the packing buffer the
@@ -161,6 +164,7 @@ pub fn estimate_memory<M: Model>(cfg: &TrainConfig<M>) -> Result<Vec<RankEstimat
         saved: (ELEM as f64 * (tokens * a.per_token + a.per_microbatch as f64)) as usize
             + BYTES_PER_TENSOR * a.tensors,
         backward: (ELEM as f64 * tokens * a.backward_per_token) as usize,
+        largest: ELEM * f.largest,
         input: (ELEM as f64 * tokens * a.input_per_token) as usize,
     };
     let mut out = Vec::with_capacity(cfg.pp);
@@ -210,31 +214,30 @@ pub fn estimate_memory<M: Model>(cfg: &TrainConfig<M>) -> Result<Vec<RankEstimat
             let (Some(b), Some(k)) = (bytes.get(&s), kept.get_mut(&s)) else {
                 continue;
             };
-            let sum_copy = if *k { b.grads } else { 0 };
             match a.op {
                 Op::F => {
                     t.acts += b.saved;
                     t.observe(0, 0);
                 }
                 Op::B | Op::I => {
-                    t.observe(
-                        b.grads + sum_copy * usize::from(a.op == Op::B) + b.backward,
-                        0,
-                    );
+                    // The backward: its activations, the new gradients, what flows back.
+                    t.observe(b.grads + b.backward, 0);
                     t.acts = t.acts.saturating_sub(b.saved);
                     if s > 0 {
                         let until = consumed.get(&(a.stage - 1, a.microbatch)).copied();
                         sent.push((b.input, until.unwrap_or(at.end)));
                     }
-                    t.grads += b.grads;
-                    if a.op == Op::B && *k {
-                        t.grads -= b.grads;
+                    match (a.op, *k) {
+                        // Added into the kept sum one tensor at a time.
+                        (Op::B, true) => t.observe(b.grads + b.largest, 0),
+                        // The first ones are kept; a split backward's wait for `W`.
+                        _ => t.grads += b.grads,
                     }
                     *k |= a.op == Op::B;
                 }
                 Op::W => {
-                    t.observe(sum_copy, 0);
                     if *k {
+                        t.observe(b.largest, 0);
                         t.grads -= b.grads;
                     }
                     *k = true;
@@ -247,7 +250,7 @@ pub fn estimate_memory<M: Model>(cfg: &TrainConfig<M>) -> Result<Vec<RankEstimat
         t.in_flight = 0;
         let bucket = (cfg.bucket_mib * 1024.0 * 1024.0) as usize;
         let all_reduce = match cfg.dp > 1 {
-            true => 3 * bucket.min(ELEM * params),
+            true => 2 * bucket.min(ELEM * params),
             false => 0,
         };
         let clip = match cfg.grad_clip > 0.0 {
@@ -266,6 +269,7 @@ struct StageBytes {
     grads: usize,
     saved: usize,
     backward: usize,
+    largest: usize,
     input: usize,
 }
 
