@@ -560,6 +560,7 @@ fn report_json(
                 "rank": r,
                 "coords": { "dp": c.dp, "pp": c.pp, "tp": c.tp },
                 "peak_bytes": mem.map(|m| m.peak_bytes),
+                "peak_rss_bytes": mem.and_then(|m| m.peak_rss_bytes),
                 "bytes_by_category": mem.map(|m| &m.bytes_by_category),
                 "predicted_peak_bytes": mem.and_then(|m| m.predicted_peak_bytes),
                 "bubble_measured": pipe.map(|p| p.bubble_measured),
