@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use anyhow::{anyhow, bail, Context};
 use clap::Args;
-use switchyard_models::GptConfig;
+use switchyard_models::{GptConfig, Model};
 use switchyard_train::estimate::cluster::Cluster;
 use switchyard_train::estimate::plan::{candidate, plan, Candidate, Layout, Verdict};
 use switchyard_train::estimate::time::{predict_step_time, TimeModel};
@@ -154,15 +154,30 @@ pub fn run(a: PlanArgs) -> anyhow::Result<()> {
             .and_then(|tm| predict_step_time(c, &tm).ok())
             .map(|t| t.seconds)
     };
+    // MFU: the model's training FLOPs per token at the predicted tokens/s, over the
+    // peak of the cluster's devices or of this machine's cores (all workers share it).
+    let peak_flops = match (&cluster, &measured) {
+        (Some(c), _) => Some(c.peak_flops * workers as f64),
+        (None, Some(_)) => Some(
+            switchyard::bench::fma_peak_gflops()
+                * 1e9
+                * switchyard_comm::threads::available_cores() as f64,
+        )
+        .filter(|&p| p > 0.0),
+        (None, None) => None,
+    };
+    let costs = base.model.costs(base.seq_len);
+    let flops_per_token = costs.embed + costs.blocks.iter().sum::<f64>() + costs.head;
+    let mfu = |c: &Candidate| Some(flops_per_token * tokens_per_s(&base, c)? / peak_flops?);
     if let Some(text) = &a.explain {
         let layout: Layout = text.parse().map_err(|e| anyhow!("--explain: {e}"))?;
         let c = candidate(&base, &layout, budget, &time);
         let tm = model_for(&layout.apply(&base));
-        return explain(&base, &c, tm.as_ref(), budget, a.json);
+        return explain(&base, &c, tm.as_ref(), budget, a.json, &mfu);
     }
     let all = plan(&base, workers, budget, &time);
     if a.json {
-        let rows: Vec<serde_json::Value> = all.iter().map(|c| row_json(&base, c)).collect();
+        let rows: Vec<serde_json::Value> = all.iter().map(|c| row_json(&base, c, &mfu)).collect();
         println!(
             "{}",
             serde_json::to_string_pretty(&serde_json::json!({
@@ -184,7 +199,7 @@ pub fn run(a: PlanArgs) -> anyhow::Result<()> {
             c.peak_flops * c.achievable / 1e12
         );
     }
-    print_table(&base, &all, workers, budget, a.top);
+    print_table(&base, &all, workers, budget, a.top, &mfu);
     Ok(())
 }
 
@@ -223,6 +238,7 @@ fn print_table(
     workers: usize,
     budget: Option<u64>,
     top: usize,
+    mfu: &dyn Fn(&Candidate) -> Option<f64>,
 ) {
     let m = &base.model;
     println!(
@@ -248,8 +264,8 @@ fn print_table(
         }
     );
     println!(
-        "  {:<32} {:>12} {:<12} {:>10} {:>10}  verdict",
-        "layout", "peak/worker", "dominant", "step", "tokens/s"
+        "  {:<32} {:>12} {:<12} {:>10} {:>10} {:>6}  verdict",
+        "layout", "peak/worker", "dominant", "step", "tokens/s", "MFU"
     );
     let shown = if top == 0 {
         all.len()
@@ -272,7 +288,7 @@ fn print_table(
             ),
         };
         println!(
-            "  {:<32} {:>12} {:<12} {:>10} {:>10}  {verdict}",
+            "  {:<32} {:>12} {:<12} {:>10} {:>10} {:>6}  {verdict}",
             c.layout.to_string(),
             peak,
             dominant,
@@ -281,6 +297,9 @@ fn print_table(
                 .unwrap_or("-".into()),
             tokens_per_s(base, c)
                 .map(|t| format!("{t:.0}"))
+                .unwrap_or("-".into()),
+            mfu(c)
+                .map(|m| format!("{:.1}%", 100.0 * m))
                 .unwrap_or("-".into()),
         );
     }
@@ -300,7 +319,11 @@ fn first_clause(why: &str) -> String {
         .to_string()
 }
 
-fn row_json(base: &TrainConfig<GptConfig>, c: &Candidate) -> serde_json::Value {
+fn row_json(
+    base: &TrainConfig<GptConfig>,
+    c: &Candidate,
+    mfu: &dyn Fn(&Candidate) -> Option<f64>,
+) -> serde_json::Value {
     let (verdict, reason) = match &c.verdict {
         Verdict::Fits => ("fits", None),
         Verdict::TooBig { .. } => ("too_big", None),
@@ -320,6 +343,7 @@ fn row_json(base: &TrainConfig<GptConfig>, c: &Candidate) -> serde_json::Value {
         })).collect::<Vec<_>>(),
         "step_s": c.step_s,
         "tokens_per_s": tokens_per_s(base, c),
+        "mfu": mfu(c),
     })
 }
 
@@ -329,11 +353,12 @@ fn explain(
     tm: Option<&TimeModel>,
     budget: Option<u64>,
     json: bool,
+    mfu: &dyn Fn(&Candidate) -> Option<f64>,
 ) -> anyhow::Result<()> {
     let cfg = c.layout.apply(base);
     let step = tm.and_then(|tm| predict_step_time(&cfg, tm).ok());
     if json {
-        let mut v = row_json(base, c);
+        let mut v = row_json(base, c, mfu);
         v["step"] = serde_json::to_value(&step)?;
         println!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(());
@@ -370,9 +395,12 @@ fn explain(
     match step {
         Some(t) => {
             println!(
-                "  predicted step: {:.1} ms ({:.0} tokens/s)",
+                "  predicted step: {:.1} ms ({:.0} tokens/s{})",
                 t.seconds * 1e3,
-                (base.batch * base.seq_len) as f64 / t.seconds
+                (base.batch * base.seq_len) as f64 / t.seconds,
+                mfu(c)
+                    .map(|m| format!(", MFU {:.1} %", 100.0 * m))
+                    .unwrap_or_default()
             );
             println!(
                 "    pipeline {:.1} ms (compute {:.1}, tensor-parallel all-reduces {:.1}, messages {:.1}; bubble {:.1} %), data-parallel all-reduce {:.1} ms, optimizer {:.1} ms",

@@ -71,6 +71,6 @@ pub use config::{
 };
 pub use device::DeviceSpec;
 pub use error::TrainError;
-pub use report::{Coords, PipelineRankReport, RankMemory, StepRecord, TrainReport};
+pub use report::{peak_rss, Coords, PipelineRankReport, RankMemory, StepRecord, TrainReport};
 pub use trainer::{train, train_rank, Resume, TrainOptions};
 pub use worker::{NonFinite, StepMetrics, Worker};

@@ -297,7 +297,7 @@ fn memory_row() -> Vec<f64> {
 }
 
 /// This process's peak resident set (`VmHWM` of `/proc/self/status`, Linux), bytes.
-fn peak_rss() -> Option<u64> {
+pub fn peak_rss() -> Option<u64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
     let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
     let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
