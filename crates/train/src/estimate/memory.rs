@@ -13,8 +13,9 @@
 //! | other | the weights the fused ops pack for the step + a matrix-multiply scratch per extra compute thread |
 //!
 //! The timeline walks the rank's actions in program order. A forward of stage `s` adds
-//! `A_s = tokens · a_s + per-microbatch` bytes (`a_s`: the saved elements per token the
-//! model declares, times 4). A backward holds, on top of everything live, the stage's new
+//! `A_s = 4 · (tokens · (a_s + i_s) + per-microbatch)` bytes (`a_s`: the saved elements
+//! per token the model declares; `i_s`: its input's, which the executor copies into a
+//! variable of its own to take its gradient, on every stage but the first). A backward holds, on top of everything live, the stage's new
 //! parameter gradients `G_s = 4·Ψ_s` and the gradients flowing back
 //! (`tokens · backward_per_token · 4`); then it frees `A_s`, and adds `G_s` into the
 //! gradients kept from earlier microbatches one tensor at a time (the new ones and one
@@ -161,7 +162,11 @@ pub fn estimate_memory<M: Model>(cfg: &TrainConfig<M>) -> Result<Vec<RankEstimat
         .collect();
     let per_stage = |f: &Footprint, a: &Activations| StageBytes {
         grads: ELEM * f.params,
-        saved: (ELEM as f64 * (tokens * a.per_token + a.per_microbatch as f64)) as usize
+        // The executor keeps a stage's input as a variable of its own (a copy) to take
+        // its gradient.
+        saved: (ELEM as f64
+            * (tokens * (a.per_token + a.input_per_token) + a.per_microbatch as f64))
+            as usize
             + BYTES_PER_TENSOR * a.tensors,
         backward: (ELEM as f64 * tokens * a.backward_per_token) as usize,
         largest: ELEM * f.largest,
