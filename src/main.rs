@@ -32,6 +32,8 @@ enum Command {
     Sample(cli::model::SampleArgs),
     /// Time the reference workload on one worker and on every parallel layout (a table)
     Bench(cli::bench::BenchArgs),
+    /// Which layouts of a model fit on N workers, ranked by predicted step time
+    Plan(Box<cli::plan::PlanArgs>),
 }
 
 fn main() {
@@ -45,6 +47,7 @@ fn main() {
         Command::Export(a) => cli::model::export(a),
         Command::Sample(a) => cli::model::sample_text(a),
         Command::Bench(a) => cli::bench::run(a),
+        Command::Plan(a) => cli::plan::run(*a),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

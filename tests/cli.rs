@@ -532,9 +532,151 @@ fn report_json_holds_every_ranks_measured_memory() {
         let peak = rank["peak_bytes"].as_u64().unwrap();
         let params = rank["bytes_by_category"]["parameters"].as_u64().unwrap();
         assert!(params > 0 && params < peak, "{rank}");
+        let predicted = rank["predicted_peak_bytes"].as_u64().unwrap();
+        assert!(predicted > params && predicted < 2 * peak, "{rank}");
         assert!(rank["bubble_measured"].is_number(), "{rank}");
         assert!(rank["tokens_per_s"].as_f64().unwrap() > 0.0, "{rank}");
     }
     assert!(r["config"]["model"]["d_model"] == 16);
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_model_over_the_memory_budget_is_refused_before_any_step() {
+    let args = tiny(&["--steps", "2", "--max-memory-per-worker", "64KiB"]);
+    let o = switchyard(&strs(&args));
+    assert_eq!(o.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&o.stderr);
+    for want in [
+        "does not fit",
+        "--max-memory-per-worker 64.00 KiB",
+        "activations",
+    ] {
+        assert!(err.contains(want), "{want}: {err}");
+    }
+    assert!(!String::from_utf8_lossy(&o.stdout).contains("step "));
+    let bad = switchyard(&["train", "--max-memory-per-worker", "12 parsecs"]);
+    assert_eq!(bad.status.code(), Some(2), "a usage error");
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("unknown unit"));
+    // A budget it fits trains.
+    ok(&strs(&tiny(&[
+        "--steps",
+        "1",
+        "--max-memory-per-worker",
+        "1GiB",
+    ])));
+}
+
+#[test]
+fn plan_ranks_the_layouts_that_fit_and_explains_one() {
+    let model = [
+        "--layers",
+        "4",
+        "--d-model",
+        "32",
+        "--heads",
+        "4",
+        "--seq-len",
+        "16",
+        "--batch",
+        "8",
+    ];
+    let args = |extra: &[&str]| -> Vec<String> {
+        ["plan", "--workers", "4"]
+            .iter()
+            .chain(model.iter())
+            .chain(extra.iter())
+            .map(|s| s.to_string())
+            .collect()
+    };
+    let table = ok(&strs(&args(&["--memory-per-worker", "1GiB", "--top", "0"])));
+    for want in [
+        "dp1 pp2 tp2 1f1b m2",
+        "dp4 pp1 tp1 1f1b m2",
+        "fits",
+        "peak/worker",
+    ] {
+        assert!(table.contains(want), "{want}: {table}");
+    }
+    let plan_json = |budget: &str| -> serde_json::Value {
+        serde_json::from_str(&ok(&strs(&args(&[
+            "--json",
+            "--memory-per-worker",
+            budget,
+        ]))))
+        .unwrap()
+    };
+    let peaks: Vec<u64> = plan_json("1GiB")["layouts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|l| l["predicted_peak_bytes"].as_u64())
+        .collect();
+    let (lo, hi) = (*peaks.iter().min().unwrap(), *peaks.iter().max().unwrap());
+    assert!(lo < hi);
+    let budget = (lo + hi) / 2;
+    let json = plan_json(&budget.to_string());
+    let layouts = json["layouts"].as_array().unwrap();
+    let verdicts: Vec<&str> = layouts
+        .iter()
+        .map(|l| l["verdict"].as_str().unwrap())
+        .collect();
+    // A budget between the smallest and the largest splits them, fitting ones first.
+    assert!(
+        verdicts.contains(&"fits") && verdicts.contains(&"too_big"),
+        "{verdicts:?}"
+    );
+    let first_too_big = verdicts.iter().position(|v| *v != "fits").unwrap();
+    assert!(verdicts[first_too_big..].iter().all(|v| *v != "fits"));
+    for l in &layouts[..first_too_big] {
+        assert!(l["predicted_peak_bytes"].as_u64().unwrap() <= budget, "{l}");
+    }
+    let explained = ok(&strs(&args(&["--explain", "dp1 pp2 tp2 gpipe m4"])));
+    assert!(explained.contains("pp rank 1"), "{explained}");
+    let bad = switchyard(&strs(&args(&["--explain", "pp2 sideways"])));
+    assert_eq!(bad.status.code(), Some(1));
+    // Other hardware: the cluster's memory is the budget, its rates give the times.
+    let cluster = concat!(env!("CARGO_MANIFEST_DIR"), "/clusters/dgx-a100-80gb.toml");
+    let dgx = ok(&strs(&args(&["--cluster", cluster])));
+    assert!(
+        dgx.contains("DGX A100 80GB") && dgx.contains("80.00 GiB") && dgx.contains(" ms"),
+        "{dgx}"
+    );
+}
+
+#[test]
+fn a_layout_in_one_flag_or_chosen_by_the_planner_trains() {
+    // TINY without its --microbatches (a layout says how many).
+    let args = |extra: &[&str]| -> Vec<String> {
+        let model = [
+            "train",
+            "--d-model",
+            "16",
+            "--layers",
+            "2",
+            "--heads",
+            "2",
+            "--seq-len",
+            "8",
+            "--batch",
+            "4",
+            "--quiet",
+            "--threads-per-worker",
+            "1",
+            "--steps",
+            "1",
+        ];
+        model.iter().chain(extra).map(|s| s.to_string()).collect()
+    };
+    let out = ok(&strs(&args(&["--layout", "dp2 pp2 tp1 gpipe m2"])));
+    assert!(out.contains("dp 2 × pp 2 × tp 1"), "{out}");
+    let o = switchyard(&strs(&args(&["--layout", "auto", "--workers", "2"])));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("--layout auto chose"), "{err}");
+    assert!(String::from_utf8_lossy(&o.stdout).contains("on 2 workers"));
+    // The layout flags and --layout exclude each other; --workers needs auto.
+    let both = switchyard(&strs(&args(&["--layout", "auto", "--dp", "2"])));
+    assert_eq!(both.status.code(), Some(2));
+    assert!(fails(&strs(&args(&["--workers", "2"]))).contains("--workers is for --layout auto"));
 }

@@ -133,6 +133,15 @@ fn mpi_matches_the_in_process_backend() {
         "only rank 0 reports: {out}"
     );
     assert_eq!(out.matches("trained 5 steps").count(), 1, "{out}");
+    // Each process measures its own rank, with its resident set as a cross-check.
+    assert!(
+        out.contains("memory     measured peak   predicted"),
+        "{out}"
+    );
+    assert!(
+        out.contains("peak resident set of each rank's process"),
+        "{out}"
+    );
     let (ok, out) = run(
         local(&[
             "--pp",

@@ -4,10 +4,7 @@
 
 /// The process's peak resident memory (Linux `VmHWM`), in MiB.
 pub fn peak_rss_mib() -> Option<f64> {
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
-    let kb: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kb / 1024.0)
+    switchyard_train::peak_rss().map(|b| b as f64 / (1024.0 * 1024.0))
 }
 
 /// One core's peak f32 FLOP/s, in GFLOP/s: the best of several short runs of

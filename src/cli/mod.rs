@@ -3,6 +3,7 @@
 pub mod bench;
 mod interrupt;
 pub mod model;
+pub mod plan;
 mod resume;
 pub mod schedule;
 pub mod train;

@@ -42,6 +42,14 @@ pub struct TrainArgs {
     /// Layers per stage: even, balanced, or counts such as 3,2
     #[arg(long)]
     pub split: Option<SplitSpec>,
+    /// The whole layout in one: `auto` (the fastest that `switchyard plan` finds fitting
+    /// --workers and the memory budget) or its text form, such as "dp2 pp2 tp1 1f1b m8"
+    #[arg(long, value_name = "auto|LAYOUT",
+          conflicts_with_all = ["dp", "pp", "tp", "schedule", "microbatches", "virtual_stages"])]
+    pub layout: Option<String>,
+    /// Workers for --layout auto (default: 4); `switchyard plan` plans for this many
+    #[arg(long)]
+    pub workers: Option<usize>,
     #[arg(long)]
     pub steps: Option<usize>,
     /// Sequences per step, over all replicas
@@ -135,6 +143,10 @@ pub struct TrainArgs {
     /// Compute threads per worker (default: the cores shared out)
     #[arg(long)]
     pub threads_per_worker: Option<usize>,
+    /// Refuse to start when the estimated peak memory of any worker exceeds this
+    /// (512MiB, 2GiB, 1.5GB); without it, refuse beyond this machine's available memory
+    #[arg(long, value_name = "SIZE")]
+    pub max_memory_per_worker: Option<switchyard_train::Bytes>,
     /// Bound on any blocking communication, in seconds
     #[arg(long)]
     pub comm_timeout: Option<f64>,
@@ -333,6 +345,9 @@ pub fn resolve(
         threads_per_worker => threads_per_worker, comm_timeout => comm_timeout_secs,
         vocab_size => model.vocab_size, val_fraction => val_fraction,
         eval_every => eval_every, eval_batches => eval_batches, device => device);
+    if let Some(b) = a.max_memory_per_worker {
+        c.max_memory_per_worker = Some(b);
+    }
     if let Some(ops) = &file.ops {
         c.model.ops = ops.parse().map_err(|e| {
             anyhow!(
@@ -437,6 +452,17 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
     if !data.vocab_given {
         cfg.model.vocab_size = corpus.vocab_size();
     }
+    match (&a.layout, a.workers) {
+        (Some(l), _) if l == "auto" && matches!(a.backend, Backend::Mpi) => bail!(
+            "--layout auto times this machine, and every process would choose on its own: \
+             run `switchyard plan` once and give its layout (--layout \"dp2 pp2 tp1 1f1b m8\")"
+        ),
+        (Some(layout), workers) => {
+            cfg = super::plan::choose_layout(cfg, layout, workers, rank0)?;
+        }
+        (None, Some(_)) => bail!("--workers is for --layout auto"),
+        (None, None) => {}
+    }
     cfg.validate()
         .map_err(|e| anyhow!("invalid configuration: {e}"))?;
     corpus
@@ -534,9 +560,9 @@ fn report_json(
                 "rank": r,
                 "coords": { "dp": c.dp, "pp": c.pp, "tp": c.tp },
                 "peak_bytes": mem.map(|m| m.peak_bytes),
+                "peak_rss_bytes": mem.and_then(|m| m.peak_rss_bytes),
                 "bytes_by_category": mem.map(|m| &m.bytes_by_category),
-                // The estimator (issue 15 §2) is not written yet.
-                "predicted_peak_bytes": null,
+                "predicted_peak_bytes": mem.and_then(|m| m.predicted_peak_bytes),
                 "bubble_measured": pipe.map(|p| p.bubble_measured),
                 "bubble_predicted": pipe.map(|p| p.bubble_predicted),
                 "tokens_per_s": report.tokens_per_s,

@@ -19,7 +19,8 @@ use switchyard_shard::{
 use std::collections::HashMap;
 
 use crate::{
-    gpt_layer_costs, GptConfig, LayerCosts, Model, ModelError, ModelStage, StagePlan, Tied,
+    gpt_layer_costs, Activations, Footprint, GptConfig, LayerCosts, Model, ModelError, ModelStage,
+    StagePlan, Tied,
 };
 
 /// LayerNorm epsilon, as GPT-2.
@@ -302,6 +303,90 @@ impl Model for GptConfig {
 
     fn costs(&self, seq_len: usize) -> LayerCosts {
         gpt_layer_costs(self, seq_len)
+    }
+
+    /// Arithmetic, for any size. With `d` the width, `h` the heads, `V_p = ⌈V/tp⌉` the
+    /// vocabulary rows of a rank, per token of a microbatch a block saves
+    ///
+    /// * `12·d/tp`: what the column-parallel halves produce (q, k, v, the attention's
+    ///   output, the MLP's hidden activation before and after the GELU);
+    /// * `6·d`: what every rank holds whole (the two LayerNorms' outputs, the two
+    ///   row-parallel outputs, the two residual sums);
+    /// * `h/tp`: the attention's log-sum-exp per head (no `T × T` scores: the fused
+    ///   attention recomputes them);
+    ///
+    /// the embeddings save `2·d` (`3·d` when the table is split: the partial rows and
+    /// their sum), the head `d + V_p` (`2·d + V_p` when split). A block's weights are
+    /// packed for the fused kernels once per step (`12·d²/tp`). Measured against
+    /// `switchyard-mem` in `switchyard-train`'s `tests/estimate.rs`.
+    fn footprint(
+        &self,
+        plan: &StagePlan,
+        tp: usize,
+        _seq_len: usize,
+    ) -> std::result::Result<Footprint, ModelError> {
+        GptConfig::validate(self)?;
+        let (d, layers) = (self.d_model, plan.blocks.len());
+        let tp = tp.max(1);
+        let rows = self.vocab_size.div_ceil(tp);
+        let mut f = Footprint::default();
+        if plan.embed {
+            f.add_param(rows * d);
+            f.add_param(self.block_size * d);
+            if self.tied_embeddings && !plan.head {
+                f.tied.push((WTE.into(), rows * d));
+            }
+        }
+        for _ in 0..layers {
+            for elems in [
+                d,
+                d,
+                3 * d * d / tp,
+                3 * d / tp,
+                d * d / tp,
+                d,
+                d,
+                d,
+                4 * d * d / tp,
+                4 * d / tp,
+                4 * d * d / tp,
+                d,
+            ] {
+                f.add_param(elems);
+            }
+        }
+        if plan.head {
+            f.add_param(d);
+            f.add_param(d);
+            if !self.tied_embeddings || !plan.embed {
+                f.add_param(rows * d);
+            }
+            if self.tied_embeddings && !plan.embed {
+                f.tied.push((WTE.into(), rows * d));
+            }
+        }
+        f.step_cache = layers * 12 * d * d / tp;
+        let split = tp > 1;
+        let (d, l, h) = (d as f64, layers as f64, (self.n_head / tp) as f64);
+        let mut per_token = l * (12.0 * d / tp as f64 + 6.0 * d + h);
+        let mut tensors = 32 * layers;
+        if plan.embed {
+            per_token += if split { 3.0 * d } else { 2.0 * d };
+            tensors += 4;
+        }
+        if plan.head {
+            per_token += if split { 2.0 * d } else { d } + rows as f64;
+            tensors += 8;
+        }
+        f.activations = Some(Activations {
+            per_token,
+            per_microbatch: 0,
+            tensors,
+            backward_per_token: 5.0 * d + if plan.head { rows as f64 } else { 0.0 },
+            input_per_token: if plan.embed { 0.0 } else { d },
+            width: self.d_model,
+        });
+        Ok(f)
     }
 
     /// The token table, on the first and the last stage, when the head is tied and they

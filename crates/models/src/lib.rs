@@ -59,7 +59,7 @@ pub use config::{ops_serde, GptConfig};
 pub use error::ModelError;
 pub use gpt::{GptStage, INIT_STD, LN_EPS};
 pub use mlp::{MlpConfig, MlpStage};
-pub use model::{Model, ModelStage, Tied};
+pub use model::{Activations, Footprint, Model, ModelStage, Tied};
 pub use reference::ReferenceGpt;
 pub use split::{plan_stages, LayerCosts, SplitSpec, StagePlan};
 pub use switchyard_shard::OpsBackend;

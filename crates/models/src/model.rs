@@ -86,6 +86,35 @@ pub trait Model:
         None
     }
 
+    /// What stage `plan` of one rank of a tensor-parallel group of `tp` holds and saves,
+    /// in elements, for the memory estimator (`switchyard_train::estimate::memory`).
+    ///
+    /// Default: the parameters of the stage built at degree 1 on a throw-away store
+    /// (which allocates it), each divided by its `ShardSpec`; activations unknown (the
+    /// estimator then refuses the model). A large model should override this with
+    /// arithmetic, and any model that wants predictions should describe its activations.
+    fn footprint(
+        &self,
+        plan: &StagePlan,
+        tp: usize,
+        _seq_len: usize,
+    ) -> Result<Footprint, ModelError> {
+        self.validate()?;
+        let store = ParamStore::new(DType::F32, 0, 1, ParamSource::Init { seed: 0 })
+            .map_err(|e| ModelError::Config(e.to_string()))?;
+        self.stage(plan, &store, single_device())
+            .map_err(|e| ModelError::Config(e.to_string()))?;
+        let mut f = Footprint::default();
+        for p in store.params() {
+            let local = p
+                .spec
+                .local_shape(&p.full_shape, tp)
+                .map_err(|e| ModelError::Layout(e.to_string()))?;
+            f.add_param(local.iter().product());
+        }
+        Ok(f)
+    }
+
     /// Every parameter's name and full shape, in creation order. Default: builds the
     /// whole model as one stage at tensor-parallel degree 1 on a throw-away store, which
     /// allocates it; a large model should override this with arithmetic.
@@ -157,6 +186,58 @@ fn no_hf<M: Model>() -> ModelError {
         "a {} model has no Hugging Face transformers format",
         M::NAME
     ))
+}
+
+/// What one pipeline stage of one tensor-parallel rank holds and saves, in elements of
+/// the compute dtype (see [`Model::footprint`]): arithmetic, so that a planner can size
+/// models far too large to build.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Footprint {
+    /// Parameter elements.
+    pub params: usize,
+    /// Parameter tensors (each carries bookkeeping besides its data).
+    pub tensors: usize,
+    /// The largest parameter tensor, in elements (the optimizer updates one at a time).
+    pub largest: usize,
+    /// Tied parameters the stage holds and their elements (two stages of one rank
+    /// share one copy).
+    pub tied: Vec<(String, usize)>,
+    /// Elements kept for a whole step besides the parameters (weights the fused ops
+    /// pack at the step's start).
+    pub step_cache: usize,
+    /// What a microbatch's forward keeps for its backward; `None`: not described.
+    pub activations: Option<Activations>,
+}
+
+impl Footprint {
+    /// Counts one parameter tensor of `elems` elements.
+    pub fn add_param(&mut self, elems: usize) {
+        self.params += elems;
+        self.tensors += 1;
+        self.largest = self.largest.max(elems);
+    }
+}
+
+/// What one microbatch of a stage keeps between its forward and its backward, and what
+/// its backward works on besides that, in elements.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Activations {
+    /// Saved elements per token of the microbatch.
+    pub per_token: f64,
+    /// Saved elements per microbatch whatever its size (weights an op keeps).
+    pub per_microbatch: usize,
+    /// Saved tensors per microbatch (each carries bookkeeping).
+    pub tensors: usize,
+    /// Elements per token the backward holds at once besides the saved activations
+    /// and the parameters' gradients (the gradients flowing back through a layer).
+    pub backward_per_token: f64,
+    /// Elements per token of the stage's input (what the previous stage sends), and so of
+    /// the gradient it sends back; 0 on the first stage.
+    pub input_per_token: f64,
+    /// The width of the stage's matrix products (a transformer's `d_model`): with the
+    /// microbatch's tokens it decides whether the matrix-multiply library packs through
+    /// its per-thread buffer.
+    pub width: usize,
 }
 
 /// A pipeline stage of a [`Model`] that, when it is the last stage, scores its output.

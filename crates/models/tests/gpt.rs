@@ -84,3 +84,46 @@ fn any_split_builds_every_parameter_exactly_once() {
         }
     }
 }
+
+/// The footprint's arithmetic counts what a stage builds: every parameter of a rank, by
+/// its shard, for tied and untied heads, padded vocabularies and any split.
+#[test]
+fn the_footprint_counts_what_each_stage_builds() {
+    use switchyard_models::Model;
+    for tied in [false, true] {
+        for (vocab, tp) in [(256, 1), (257, 2), (257, 4)] {
+            let cfg = GptConfig {
+                vocab_size: vocab,
+                tied_embeddings: tied,
+                ..GptConfig::tiny(3)
+            };
+            for stages in 1..=3 {
+                let plans =
+                    plan_stages(&gpt_layer_costs(&cfg, 16), stages, &SplitSpec::Even).unwrap();
+                for plan in &plans {
+                    let store =
+                        ParamStore::new(DType::F32, 0, 1, ParamSource::Init { seed: 1 }).unwrap();
+                    GptStage::new(&cfg, plan, &store, switchyard_shard::single_device()).unwrap();
+                    let sizes: Vec<usize> = store
+                        .params()
+                        .iter()
+                        .map(|p| {
+                            p.spec
+                                .local_shape(&p.full_shape, tp)
+                                .unwrap()
+                                .iter()
+                                .product()
+                        })
+                        .collect();
+                    let f = cfg.footprint(plan, tp, 16).unwrap();
+                    let what = format!("tied {tied}, V {vocab}, tp {tp}, stage {plan:?}");
+                    assert_eq!(f.params, sizes.iter().sum::<usize>(), "{what}");
+                    assert_eq!(f.tensors, sizes.len(), "{what}");
+                    assert_eq!(f.largest, *sizes.iter().max().unwrap(), "{what}");
+                    let holds_copy = tied && stages > 1 && (plan.embed || plan.head);
+                    assert_eq!(f.tied.len(), usize::from(holds_copy), "{what}");
+                }
+            }
+        }
+    }
+}

@@ -66,11 +66,11 @@ pub mod weights;
 mod worker;
 
 pub use config::{
-    memory_info, thread_limit, MemoryInfo, TrainConfig, BYTES_PER_PARAM, MAX_SCHEDULE_PAIRS,
+    memory_info, thread_limit, Bytes, MemoryInfo, TrainConfig, BYTES_PER_PARAM, MAX_SCHEDULE_PAIRS,
     MAX_TIMEOUT_SECS,
 };
 pub use device::DeviceSpec;
 pub use error::TrainError;
-pub use report::{Coords, PipelineRankReport, RankMemory, StepRecord, TrainReport};
+pub use report::{peak_rss, Coords, PipelineRankReport, RankMemory, StepRecord, TrainReport};
 pub use trainer::{train, train_rank, Resume, TrainOptions};
 pub use worker::{NonFinite, StepMetrics, Worker};

@@ -87,6 +87,14 @@ pub struct RankMemory {
     pub coords: Coords,
     pub peak_bytes: usize,
     pub bytes_by_category: BTreeMap<String, usize>,
+    /// The id of the rank's process (on threads every rank shares one).
+    pub process: u32,
+    /// The peak resident set of the rank's process (`VmHWM`), a cross-check of the
+    /// counted peak under MPI; `None` where unknown.
+    pub peak_rss_bytes: Option<usize>,
+    /// The estimator's prediction of `peak_bytes` ([`crate::estimate::memory`]); `None`
+    /// when the model does not describe its activations.
+    pub predicted_peak_bytes: Option<usize>,
 }
 
 /// What a run did.
@@ -165,7 +173,7 @@ impl TrainReport {
             }
         }
         if !self.memory.is_empty() {
-            s += "memory     measured peak   by category at the peak (MiB)\n";
+            s += "memory     measured peak   predicted   by category at the peak (MiB)\n";
             for m in &self.memory {
                 let split: Vec<String> = m
                     .bytes_by_category
@@ -173,8 +181,12 @@ impl TrainReport {
                     .filter(|(_, &b)| b > 0)
                     .map(|(c, &b)| format!("{c} {:.2}", mib(b)))
                     .collect();
+                let predicted = match m.predicted_peak_bytes {
+                    Some(b) => format!("{:>9.2} MiB", mib(b)),
+                    None => format!("{:>13}", "-"),
+                };
                 s += &format!(
-                    "  rank {:<3} (dp {} pp {} tp {}) {:>9.2} MiB   {}\n",
+                    "  rank {:<3} (dp {} pp {} tp {}) {:>9.2} MiB {predicted}   {}\n",
                     m.rank,
                     m.coords.dp,
                     m.coords.pp,
@@ -183,9 +195,37 @@ impl TrainReport {
                     split.join(", ")
                 );
             }
+            s += &rss_line(&self.memory);
         }
         s
     }
+}
+
+/// The processes' peak resident sets, a cross-check of the counted peaks: one line for
+/// one process (threads), or each rank's process (MPI).
+fn rss_line(memory: &[RankMemory]) -> String {
+    let rss: Vec<usize> = memory.iter().filter_map(|m| m.peak_rss_bytes).collect();
+    if rss.len() != memory.len() || rss.is_empty() {
+        return String::new();
+    }
+    let counted: usize = memory.iter().map(|m| m.peak_bytes).sum();
+    if memory.iter().all(|m| m.process == memory[0].process) {
+        return format!(
+            "  process peak resident set {:.2} MiB (every rank's; their counted peaks add up to \
+             {:.2} MiB; the binary, the data and the pages the allocator keeps come on top)\n",
+            mib(rss[0]),
+            mib(counted)
+        );
+    }
+    let per: Vec<String> = memory
+        .iter()
+        .zip(&rss)
+        .map(|(m, r)| format!("rank {} {:.2}", m.rank, mib(*r)))
+        .collect();
+    format!(
+        "  peak resident set of each rank's process (MiB): {}\n",
+        per.join(", ")
+    )
 }
 
 fn mib(bytes: usize) -> f64 {
@@ -234,20 +274,34 @@ fn rank_row(steps: &[StepMetrics], v: usize) -> Vec<f64> {
     row
 }
 
-/// Entries of [`memory_row`]: measured or not, the peak, the peak's split by category.
-const MEMORY_WIDTH: usize = 2 + Category::ALL.len();
+/// Entries of [`memory_row`]: measured or not, the peak, the process's id and peak
+/// resident set, the peak's split by category.
+const MEMORY_WIDTH: usize = 4 + Category::ALL.len();
 
 /// This rank's measured memory (switchyard-mem) as a row of [`MEMORY_WIDTH`]: `1` when
 /// measured (the process counts allocations and this thread charges a rank's ledger),
 /// else all `0`.
 fn memory_row() -> Vec<f64> {
     match switchyard_mem::this_ledger().filter(|_| switchyard_mem::is_counting()) {
-        Some(u) => [1.0, u.peak as f64]
-            .into_iter()
-            .chain(u.peak_by_category.iter().map(|&b| b as f64))
-            .collect(),
+        Some(u) => [
+            1.0,
+            u.peak as f64,
+            f64::from(std::process::id()),
+            peak_rss().unwrap_or(0) as f64,
+        ]
+        .into_iter()
+        .chain(u.peak_by_category.iter().map(|&b| b as f64))
+        .collect(),
         None => vec![0.0; MEMORY_WIDTH],
     }
+}
+
+/// This process's peak resident set (`VmHWM` of `/proc/self/status`, Linux), bytes.
+pub fn peak_rss() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
 }
 
 /// The median over steps of each rank's bubble (see [`switchyard_pipeline::step_bubbles`]),
@@ -333,6 +387,7 @@ pub(crate) fn gather<M: Model>(
             }
         })
         .collect();
+    let predicted_memory = crate::estimate::memory::estimate_memory(cfg).ok();
     let memory = (0..cfg.world_size())
         .filter_map(|r| {
             let x = &rows[(r + 1) * width - MEMORY_WIDTH..(r + 1) * width];
@@ -346,11 +401,14 @@ pub(crate) fn gather<M: Model>(
                         tp: c.tp,
                     },
                     peak_bytes: x[1] as usize,
+                    process: x[2] as u32,
+                    peak_rss_bytes: (x[3] > 0.0).then_some(x[3] as usize),
                     bytes_by_category: Category::ALL
                         .iter()
-                        .zip(&x[2..])
+                        .zip(&x[4..])
                         .map(|(c, &b)| (c.name().to_string(), b as usize))
                         .collect(),
+                    predicted_peak_bytes: predicted_memory.as_ref().map(|p| p[c.pp].peak_bytes),
                 }
             })
         })

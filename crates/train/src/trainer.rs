@@ -19,7 +19,7 @@ use crate::report::{gather, Sink, StepRecord, TrainReport};
 use crate::run_dir;
 use crate::weights::Weights;
 use crate::worker::Worker;
-use crate::TrainConfig;
+use crate::{memory_info, TrainConfig};
 use switchyard_models::Model;
 
 /// Where the loop writes, besides the report it returns.
@@ -84,6 +84,7 @@ pub fn train<M: Model>(
     cfg.validate()
         .and_then(|()| cfg.check_machine(cfg.world_size()))
         .map_err(|e| err!(Config, "invalid configuration: {e}"))?;
+    crate::estimate::memory::check_fits(cfg, cfg.world_size(), memory_info().available)?;
     let ctx = RankContext::prepare(cfg, data, opts)?;
     ctx.plan.apply()?;
     let mut launcher =
@@ -119,6 +120,9 @@ pub fn train_rank<M: Model>(
             cfg.world_size()
         );
     }
+    // Each process checks the budget (the node's memory is shared by processes it does
+    // not know of: `check_machine` is the launcher's).
+    crate::estimate::memory::check_fits(cfg, 1, None)?;
     let ctx = RankContext::prepare(cfg, data, opts)?;
     // Only rank 0 changes the checkpoint directory; the others wait for it.
     if world.rank() == 0 {

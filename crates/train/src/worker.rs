@@ -345,7 +345,15 @@ impl<'a, M: Model> Worker<'a, M> {
             for g in &mut grads[start..end] {
                 let t = g.as_ref().unwrap();
                 let n = t.elem_count();
-                *g = Some(summed.narrow(0, off, n)?.reshape(t.shape())?);
+                // A copy of its own: the in-process backend hands every rank one shared
+                // sum, which would otherwise stay on the ledger of the rank that made it
+                // (and be counted there) until the slowest replica's optimizer is done.
+                *g = Some(
+                    summed
+                        .narrow(0, off, n)?
+                        .reshape(t.shape())?
+                        .force_contiguous()?,
+                );
                 off += n;
             }
             start = end;

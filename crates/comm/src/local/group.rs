@@ -50,6 +50,10 @@ pub(crate) struct State {
     arrived: usize,
     slots: [Vec<Deposit>; 2],
     results: [Option<std::result::Result<Shared, String>>; 2],
+    /// Members that have yet to read each slot's result; the last one drops the
+    /// deposits' tensors and the result, so that a collective's inputs and output live
+    /// no longer than its callers hold them (not until the group's next collective).
+    readers: [usize; 2],
     /// The output buffer of the collective in progress, filled by all ranks.
     pub out: Option<OutBuf>,
 }
@@ -135,6 +139,7 @@ impl Group {
             let r = last(&mut st, &deps);
             st.slots[p] = deps;
             st.results[p] = Some(r);
+            st.readers[p] = n;
             st.gen += 1;
             self.gen.store(st.gen, Ordering::Release);
             self.cv.notify_all();
@@ -191,6 +196,14 @@ impl Group {
         }
         let result = st.results[p].clone().expect("result set by the last rank");
         let deps = st.slots[p].clone();
+        st.readers[p] -= 1;
+        if st.readers[p] == 0 {
+            for d in &mut st.slots[p] {
+                d.tensor = None;
+                d.parts.clear();
+            }
+            st.results[p] = None;
+        }
         drop(st);
         match result {
             Ok(shared) => Ok((shared, deps)),

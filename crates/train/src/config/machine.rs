@@ -1,6 +1,7 @@
 //! What a run needs from this machine, checked before any worker starts: threads, and
 //! memory for the parameters, gradients and optimizer state.
 
+use serde::{Deserialize, Serialize};
 use switchyard_models::Model;
 
 use super::TrainConfig;
@@ -220,5 +221,82 @@ mod tests {
         assert!(m.total.is_none() && m.available.is_none());
         assert_eq!(human_bytes(1536 << 20), "1.50 GiB");
         assert_eq!(human_bytes(12), "12 bytes");
+    }
+}
+
+/// A size in bytes, written `512MiB`, `1.5GiB`, `2GB`, `300kB` or a plain count
+/// (binary units are powers of 1024, decimal ones of 1000).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub struct Bytes(pub u64);
+
+impl std::str::FromStr for Bytes {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Bytes, String> {
+        let t = s.trim();
+        let split = t
+            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+            .unwrap_or(t.len());
+        let (num, unit) = t.split_at(split);
+        let scale: f64 = match unit.trim().to_ascii_lowercase().as_str() {
+            "" | "b" => 1.0,
+            "kb" => 1e3,
+            "mb" => 1e6,
+            "gb" => 1e9,
+            "tb" => 1e12,
+            "kib" | "k" => 1024.0,
+            "mib" | "m" => 1024.0f64.powi(2),
+            "gib" | "g" => 1024.0f64.powi(3),
+            "tib" | "t" => 1024.0f64.powi(4),
+            u => {
+                return Err(format!(
+                    "`{s}`: unknown unit `{u}` (use B, kB, MB, GB, TB, KiB, MiB, GiB or TiB)"
+                ))
+            }
+        };
+        let x: f64 = num
+            .parse()
+            .map_err(|_| format!("`{s}` is not a size such as 512MiB or 2GB"))?;
+        let bytes = x * scale;
+        if !(1.0..1.8e19).contains(&bytes) {
+            return Err(format!("`{s}`: a size must be at least 1 byte"));
+        }
+        Ok(Bytes(bytes as u64))
+    }
+}
+
+impl std::fmt::Display for Bytes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&human_bytes(u128::from(self.0)))
+    }
+}
+
+impl TryFrom<String> for Bytes {
+    type Error = String;
+    fn try_from(s: String) -> Result<Bytes, String> {
+        s.parse()
+    }
+}
+
+impl From<Bytes> for String {
+    fn from(b: Bytes) -> String {
+        format!("{}B", b.0)
+    }
+}
+
+#[cfg(test)]
+mod bytes_tests {
+    use super::Bytes;
+
+    #[test]
+    fn sizes_read_in_binary_and_decimal_units() {
+        assert_eq!("512MiB".parse::<Bytes>().unwrap(), Bytes(512 << 20));
+        assert_eq!("1.5GiB".parse::<Bytes>().unwrap(), Bytes(3 << 29));
+        assert_eq!("2GB".parse::<Bytes>().unwrap(), Bytes(2_000_000_000));
+        assert_eq!("4096".parse::<Bytes>().unwrap(), Bytes(4096));
+        assert_eq!(String::from(Bytes(7)).parse::<Bytes>().unwrap(), Bytes(7));
+        for bad in ["", "MiB", "12 parsecs", "0", "-5MiB"] {
+            assert!(bad.parse::<Bytes>().is_err(), "{bad}");
+        }
     }
 }

@@ -14,7 +14,7 @@ mod machine;
 mod schedule;
 
 use machine::{human_bytes, THREAD_LIMIT_WHY};
-pub use machine::{memory_info, thread_limit, MemoryInfo, BYTES_PER_PARAM};
+pub use machine::{memory_info, thread_limit, Bytes, MemoryInfo, BYTES_PER_PARAM};
 
 /// Everything a run needs, for a model whose config is `M` (a [`Model`]).
 /// `switchyard train` builds it from flags and `--config`.
@@ -82,6 +82,11 @@ pub struct TrainConfig<M> {
     /// manifest at its default. See [`DeviceSpec`].
     #[serde(skip_serializing_if = "DeviceSpec::is_cpu")]
     pub device: DeviceSpec,
+    /// Refuse to start when the estimated peak of any worker
+    /// ([`crate::estimate::memory`]) exceeds this; `None`: refuse only beyond the
+    /// machine's available memory.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_memory_per_worker: Option<Bytes>,
 }
 
 impl<M: Default> Default for TrainConfig<M> {
@@ -118,6 +123,7 @@ impl<M: Default> Default for TrainConfig<M> {
             eval_every: 0,
             eval_batches: 8,
             device: DeviceSpec::Cpu,
+            max_memory_per_worker: None,
         }
     }
 }
@@ -182,6 +188,16 @@ impl<M: Model> TrainConfig<M> {
     /// overflows, more stages than layers, a model larger than this machine's memory)
     /// reaches the schedule generator or an allocation.
     pub fn validate(&self) -> Result<(), TrainError> {
+        self.validate_with(true)
+    }
+
+    /// [`TrainConfig::validate`] without this machine: for planning a run elsewhere
+    /// (`switchyard plan --cluster`), a model larger than this machine's memory passes.
+    pub fn validate_layout(&self) -> Result<(), TrainError> {
+        self.validate_with(false)
+    }
+
+    fn validate_with(&self, this_machine: bool) -> Result<(), TrainError> {
         self.device.check()?;
         self.device_is_wired()?;
         let m = &self.model;
@@ -210,7 +226,7 @@ impl<M: Model> TrainConfig<M> {
         }
         // One worker holds at least its share of one replica (pp × tp workers split it).
         let share = self.state_bytes() / (self.pp as u128 * self.tp as u128);
-        if let Some(total) = memory_info().total {
+        if let Some(total) = memory_info().total.filter(|_| this_machine) {
             if share > u128::from(total) {
                 return Err(err!(
                     Config,

@@ -1,1 +1,551 @@
-//! Peak memory per rank, predicted (issue 15 §2).
+//! Peak memory per rank, predicted (issue 15 §2), from the model's arithmetic
+//! ([`Model::footprint`]) and the rank's action list, without building anything.
+//!
+//! For a rank that holds `Ψ` parameter elements (its stages' shards, a tied copy
+//! counted once per rank) the estimate is, in bytes (f32 values, AdamW's moments in f64):
+//!
+//! | category | bytes |
+//! |---|---|
+//! | parameters | `4·Ψ` + bookkeeping per tensor |
+//! | optimizer | `16·Ψ` (two f64 moments) + bookkeeping per tensor |
+//! | gradients | what the step's timeline holds at the peak (below) + a matrix-multiply scratch per rank thread |
+//! | activations | what the timeline holds at the peak |
+//! | other | the weights the fused ops pack for the step + a matrix-multiply scratch per extra compute thread |
+//!
+//! The timeline walks the rank's actions in program order. A forward of stage `s` adds
+//! `A_s = 4 · (tokens · (a_s + i_s) + per-microbatch)` bytes (`a_s`: the saved elements
+//! per token the model declares; `i_s`: its input's, which the executor copies into a
+//! variable of its own to take its gradient, on every stage but the first). A backward holds, on top of everything live, the stage's new
+//! parameter gradients `G_s = 4·Ψ_s` and the gradients flowing back
+//! (`tokens · backward_per_token · 4`); then it frees `A_s`, and adds `G_s` into the
+//! gradients kept from earlier microbatches one tensor at a time (the new ones and one
+//! sum live at once), or keeps them when they are the first. A split backward (`I`, `W`)
+//! keeps the weight gradients pending from `I` to `W`. A gradient a rank sends back stays
+//! its memory until the previous stage's backward has used it (the in-process transport
+//! moves tensors without copying; when is the schedule simulator's). After the last
+//! action every parameter has a gradient (`4·Ψ`), and the step adds at most one of: the
+//! data-parallel all-reduce of a bucket (the concatenated bucket and the rank's copy of
+//! the sum), the clipped copy of every gradient (`4·Ψ`), or AdamW's f64 copies of the
+//! largest tensor's gradient (`16·largest`). The peak is the largest of these moments.
+//!
+//! Two things are measured, not derived: the bookkeeping per tensor (candle's tensor and
+//! shape headers and the store's names, about 200 bytes) and the packing buffer the
+//! matrix multiply keeps per compute thread (the L2 cache's size, once products reach
+//! 128 rows or columns). `tests/estimate.rs` holds the prediction
+//! to within 10 % of `switchyard-mem`'s measurement for every rank of many layouts.
+
+use std::collections::BTreeMap;
+
+use switchyard_mem::Category;
+use switchyard_models::{plan_stages, Activations, Footprint, Model};
+use switchyard_schedule::{simulate, Costs, Op};
+
+use switchyard_schedule::ScheduleChoice;
+
+use crate::error::{err, TrainError};
+use crate::{Bytes, TrainConfig};
+
+/// Bytes of bookkeeping per tensor besides its data (measured).
+pub const BYTES_PER_TENSOR: usize = 200;
+
+/// The buffer the matrix-multiply library (`gemm`, under candle and the fused ops) keeps
+/// on each thread that packed a product through it: the size of the CPU's L2 cache
+/// (read from Linux's `/sys`; 2 MiB elsewhere).
+pub fn scratch_per_thread() -> usize {
+    std::fs::read_to_string("/sys/devices/system/cpu/cpu0/cache/index2/size")
+        .ok()
+        .and_then(|s| {
+            let s = s.trim();
+            let (n, scale) = match s.strip_suffix('K') {
+                Some(n) => (n, 1024),
+                None => match s.strip_suffix('M') {
+                    Some(n) => (n, 1 << 20),
+                    None => (s, 1),
+                },
+            };
+            n.parse::<usize>().ok().map(|n| n * scale)
+        })
+        .filter(|&b| b > 0)
+        .unwrap_or(2 << 20)
+}
+
+/// Whether products of `tokens` rows and `width` columns go through that buffer: measured
+/// with `gemm` 0.19 (smaller ones are packed in a buffer of their own size).
+fn packs_through_scratch(tokens: usize, width: usize) -> bool {
+    tokens >= 128 || width >= 128
+}
+/// Bytes per element of parameters, gradients and activations (f32).
+const ELEM: usize = 4;
+/// Bytes per parameter of AdamW's state (two f64 moments).
+const OPT_PER_PARAM: usize = 16;
+
+/// One pipeline rank's predicted peak (every data- and tensor-parallel rank of a
+/// pipeline rank holds the same).
+#[derive(Debug, Clone, PartialEq)]
+pub struct RankEstimate {
+    /// The pipeline rank.
+    pub pp: usize,
+    pub peak_bytes: usize,
+    /// Bytes by category at the peak, indexed like [`Category::ALL`].
+    pub at_peak: [usize; 6],
+    /// Parameter elements the rank holds.
+    pub params: usize,
+}
+
+impl RankEstimate {
+    /// `(category name, bytes)` at the peak, in [`Category::ALL`] order.
+    pub fn by_category(&self) -> BTreeMap<String, usize> {
+        Category::ALL
+            .iter()
+            .zip(self.at_peak)
+            .map(|(c, b)| (c.name().to_string(), b))
+            .collect()
+    }
+
+    /// The category holding the most bytes at the peak.
+    pub fn dominant(&self) -> Category {
+        let i = (0..6).max_by_key(|&i| self.at_peak[i]).unwrap_or(0);
+        Category::ALL[i]
+    }
+}
+
+/// The predicted peak of every pipeline rank of `cfg`, in pipeline order.
+pub fn estimate_memory<M: Model>(cfg: &TrainConfig<M>) -> Result<Vec<RankEstimate>, TrainError> {
+    let stages = cfg.num_stages();
+    let plans = plan_stages(&cfg.model.costs(cfg.seq_len), stages, &cfg.split)?;
+    let feet: Vec<Footprint> = plans
+        .iter()
+        .map(|p| cfg.model.footprint(p, cfg.tp, cfg.seq_len))
+        .collect::<Result<_, _>>()?;
+    let acts: Vec<&Activations> = feet
+        .iter()
+        .map(|f| {
+            f.activations.as_ref().ok_or_else(|| {
+                err!(
+                    Config,
+                    "cannot predict the memory of a {} model: its Model::footprint does not \
+                     describe its activations",
+                    M::NAME
+                )
+            })
+        })
+        .collect::<Result<_, _>>()?;
+    let program = cfg.program()?;
+    let tokens = (cfg.microbatch_size() * cfg.seq_len) as f64;
+    let threads = match cfg.threads_per_worker {
+        0 => switchyard_comm::threads::default_threads_per_worker(cfg.world_size()),
+        n => n,
+    };
+    let width = acts.iter().map(|a| a.width).max().unwrap_or(0);
+    let scratch = match packs_through_scratch(cfg.microbatch_size() * cfg.seq_len, width) {
+        true => scratch_per_thread(),
+        false => 0,
+    };
+    // When each action runs (unit costs, as the report's prediction), to know how long a
+    // gradient a rank sends back waits for the previous stage's backward: until then it
+    // is the sender's memory.
+    let costs = match program.has_split_backward() {
+        true => Costs {
+            i: 2.0,
+            w: 0.0,
+            ..Costs::default()
+        },
+        false => Costs::default(),
+    };
+    let timeline = simulate(&program, &costs)?;
+    let consumed: BTreeMap<(u32, u32), f64> = timeline
+        .ranks
+        .iter()
+        .flat_map(|r| &r.actions)
+        .filter(|t| matches!(t.action.op, Op::B | Op::I))
+        .map(|t| ((t.action.stage, t.action.microbatch), t.end))
+        .collect();
+    let per_stage = |f: &Footprint, a: &Activations| StageBytes {
+        grads: ELEM * f.params,
+        // The executor keeps a stage's input as a variable of its own (a copy) to take
+        // its gradient.
+        saved: (ELEM as f64
+            * (tokens * (a.per_token + a.input_per_token) + a.per_microbatch as f64))
+            as usize
+            + BYTES_PER_TENSOR * a.tensors,
+        backward: (ELEM as f64 * tokens * a.backward_per_token) as usize,
+        largest: ELEM * f.largest,
+        input: (ELEM as f64 * tokens * a.input_per_token) as usize,
+    };
+    let mut out = Vec::with_capacity(cfg.pp);
+    for (r, actions) in program.ranks.iter().enumerate() {
+        let mine: Vec<usize> = program
+            .stages_of_rank(r as u32)
+            .into_iter()
+            .map(|s| s as usize)
+            .collect();
+        // Tied parameters: one copy per rank.
+        let mut tied: BTreeMap<&str, usize> = BTreeMap::new();
+        let (mut params, mut tensors, mut largest, mut cache) = (0, 0, 0, 0);
+        for &s in &mine {
+            let f = &feet[s];
+            params += f.params;
+            tensors += f.tensors;
+            largest = largest.max(f.largest);
+            cache += f.step_cache;
+            for (name, n) in &f.tied {
+                if tied.insert(name, *n).is_some() {
+                    params -= n;
+                    tensors -= 1;
+                }
+            }
+        }
+        let fixed = Fixed {
+            params: ELEM * params + BYTES_PER_TENSOR * tensors,
+            optimizer: OPT_PER_PARAM * params + BYTES_PER_TENSOR * tensors,
+            other: ELEM * cache + scratch * threads.saturating_sub(1),
+            scratch,
+        };
+        let bytes: BTreeMap<usize, StageBytes> = mine
+            .iter()
+            .map(|&s| (s, per_stage(&feet[s], acts[s])))
+            .collect();
+        let mut t = Timeline::new(fixed);
+        let mut kept: BTreeMap<usize, bool> = mine.iter().map(|&s| (s, false)).collect();
+        // Gradients this rank sent back: (bytes, until when the receiver holds them).
+        let mut sent: Vec<(usize, f64)> = Vec::new();
+        for (a, at) in actions.iter().zip(&timeline.ranks[r].actions) {
+            t.in_flight = sent
+                .iter()
+                .filter(|(_, until)| *until > at.start)
+                .map(|(b, _)| b)
+                .sum();
+            let s = a.stage as usize;
+            let (Some(b), Some(k)) = (bytes.get(&s), kept.get_mut(&s)) else {
+                continue;
+            };
+            match a.op {
+                Op::F => {
+                    t.acts += b.saved;
+                    t.observe(0, 0);
+                }
+                Op::B | Op::I => {
+                    // The backward: its activations, the new gradients, what flows back.
+                    t.observe(b.grads + b.backward, 0);
+                    t.acts = t.acts.saturating_sub(b.saved);
+                    if s > 0 {
+                        let until = consumed.get(&(a.stage - 1, a.microbatch)).copied();
+                        sent.push((b.input, until.unwrap_or(at.end)));
+                    }
+                    match (a.op, *k) {
+                        // Added into the kept sum one tensor at a time.
+                        (Op::B, true) => t.observe(b.grads + b.largest, 0),
+                        // The first ones are kept; a split backward's wait for `W`.
+                        _ => t.grads += b.grads,
+                    }
+                    *k |= a.op == Op::B;
+                }
+                Op::W => {
+                    if *k {
+                        t.observe(b.largest, 0);
+                        t.grads -= b.grads;
+                    }
+                    *k = true;
+                }
+                _ => {}
+            }
+        }
+        // Every parameter has a gradient after the pipeline's step.
+        t.grads = ELEM * params;
+        t.in_flight = 0;
+        let bucket = (cfg.bucket_mib * 1024.0 * 1024.0) as usize;
+        let all_reduce = match cfg.dp > 1 {
+            true => 2 * bucket.min(ELEM * params),
+            false => 0,
+        };
+        let clip = match cfg.grad_clip > 0.0 {
+            true => ELEM * params,
+            false => 0,
+        };
+        t.observe(all_reduce.max(clip), 0);
+        t.observe(0, 2 * ELEM * 2 * largest);
+        out.push(t.estimate(r, params));
+    }
+    Ok(out)
+}
+
+/// What a backward of one microbatch of a stage adds, in bytes.
+struct StageBytes {
+    grads: usize,
+    saved: usize,
+    backward: usize,
+    largest: usize,
+    input: usize,
+}
+
+/// Bytes held all step long.
+#[derive(Clone, Copy)]
+struct Fixed {
+    params: usize,
+    optimizer: usize,
+    other: usize,
+    /// The rank thread's matrix-multiply scratch (counted with the gradients: the
+    /// backward first needs it).
+    scratch: usize,
+}
+
+struct Timeline {
+    fixed: Fixed,
+    acts: usize,
+    grads: usize,
+    /// Sent gradients the receiver still holds.
+    in_flight: usize,
+    peak: usize,
+    at_peak: [usize; 6],
+}
+
+impl Timeline {
+    fn new(fixed: Fixed) -> Timeline {
+        Timeline {
+            fixed,
+            acts: 0,
+            grads: 0,
+            in_flight: 0,
+            peak: 0,
+            at_peak: [0; 6],
+        }
+    }
+
+    /// A moment holding what is live plus `grads` more gradient bytes and `opt` more
+    /// optimizer bytes.
+    fn observe(&mut self, grads: usize, opt: usize) {
+        let f = self.fixed;
+        let now = [
+            f.params,
+            self.grads + grads + f.scratch + self.in_flight,
+            f.optimizer + opt,
+            self.acts,
+            0,
+            f.other,
+        ];
+        let total = now.iter().sum();
+        if total > self.peak {
+            self.peak = total;
+            self.at_peak = now;
+        }
+    }
+
+    fn estimate(&self, pp: usize, params: usize) -> RankEstimate {
+        RankEstimate {
+            pp,
+            peak_bytes: self.peak,
+            at_peak: self.at_peak,
+            params,
+        }
+    }
+}
+
+/// Refuses, before any work, a run whose estimated peak exceeds the budget: the largest
+/// predicted rank against `max_memory_per_worker`, and the `local_workers` this machine
+/// runs against its `available` memory. The message gives the worst rank's estimate by
+/// category and what would fit. A model that does not describe its activations is only
+/// refused when a budget is set.
+pub fn check_fits<M: Model>(
+    cfg: &TrainConfig<M>,
+    local_workers: usize,
+    available: Option<u64>,
+) -> Result<(), TrainError> {
+    let ranks = match estimate_memory(cfg) {
+        Ok(r) => r,
+        Err(e) if cfg.max_memory_per_worker.is_some() => {
+            return Err(err!(Config, "--max-memory-per-worker: {e}"))
+        }
+        Err(_) => return Ok(()),
+    };
+    let worst = worst(&ranks);
+    if let Some(budget) = cfg.max_memory_per_worker {
+        if worst.peak_bytes as u64 > budget.0 {
+            return Err(refusal(
+                cfg,
+                worst,
+                &format!("--max-memory-per-worker {budget}"),
+                budget.0,
+            ));
+        }
+    }
+    if let Some(available) = available {
+        // This machine's workers: its share of every pipeline rank's replicas.
+        let per_world: u128 =
+            ranks.iter().map(|r| r.peak_bytes as u128).sum::<u128>() * (cfg.dp * cfg.tp) as u128;
+        let here = per_world * local_workers as u128 / cfg.world_size().max(1) as u128;
+        if here > u128::from(available) {
+            let per_worker = (u128::from(available) / local_workers.max(1) as u128) as u64;
+            return Err(refusal(
+                cfg,
+                worst,
+                &format!(
+                    "this machine's available memory ({} for {local_workers} workers, {} each)",
+                    Bytes(available),
+                    Bytes(per_worker)
+                ),
+                per_worker,
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn worst(ranks: &[RankEstimate]) -> &RankEstimate {
+    ranks
+        .iter()
+        .max_by_key(|r| r.peak_bytes)
+        .expect("a program has ranks")
+}
+
+fn refusal<M: Model>(
+    cfg: &TrainConfig<M>,
+    worst: &RankEstimate,
+    budget_name: &str,
+    budget: u64,
+) -> TrainError {
+    let split: Vec<String> = Category::ALL
+        .iter()
+        .zip(worst.at_peak)
+        .filter(|(_, b)| *b > 0)
+        .map(|(c, b)| format!("{} {}", c.name(), Bytes(b as u64)))
+        .collect();
+    let mut fits = Vec::new();
+    for (what, variant) in variants(cfg) {
+        if let Ok(r) = estimate_memory(&variant) {
+            let peak = worst_peak(&r);
+            let mark = if peak <= budget { "fits" } else { "too big" };
+            fits.push(format!(
+                "{what} ({} workers): {} per worker, {mark}",
+                variant.world_size(),
+                Bytes(peak)
+            ));
+        }
+    }
+    let fits = match fits.is_empty() {
+        true => String::new(),
+        false => format!("\n  estimated instead:\n    {}", fits.join("\n    ")),
+    };
+    err!(
+        Config,
+        "the model does not fit: the estimated peak of pipeline rank {} (dp {} × pp {} × tp {}, \
+         {} with {} microbatches) is {}, more than {budget_name}\n  at the peak: {}{fits}\n  \
+         (activation recomputation, ZeRO and bf16 would shrink it further; they are not built \
+         yet)",
+        worst.pp,
+        cfg.dp,
+        cfg.pp,
+        cfg.tp,
+        cfg.schedule,
+        cfg.microbatches,
+        Bytes(worst.peak_bytes as u64),
+        split.join(", ")
+    )
+}
+
+fn worst_peak(ranks: &[RankEstimate]) -> u64 {
+    worst(ranks).peak_bytes as u64
+}
+
+/// Layouts that hold less per worker than `cfg`: a longer pipeline, more tensor
+/// parallelism, 1F1B instead of GPipe (fewer microbatches in flight), smaller
+/// microbatches. Only valid ones.
+fn variants<M: Model>(cfg: &TrainConfig<M>) -> Vec<(String, TrainConfig<M>)> {
+    let mut out = Vec::new();
+    let mut pp = cfg.clone();
+    pp.pp *= 2;
+    out.push((format!("--pp {}", pp.pp), pp));
+    let mut tp = cfg.clone();
+    tp.tp *= 2;
+    out.push((format!("--tp {}", tp.tp), tp));
+    if cfg.schedule.to_string() == "gpipe" {
+        let mut s = cfg.clone();
+        s.schedule = ScheduleChoice::Named(switchyard_schedule::ScheduleKind::OneFOneB);
+        out.push(("--schedule 1f1b".into(), s));
+    }
+    let mut m = cfg.clone();
+    m.microbatches *= 2;
+    out.push((format!("--microbatches {}", m.microbatches), m));
+    let mut all = cfg.clone();
+    all.pp *= 2;
+    all.tp *= 2;
+    all.schedule = ScheduleChoice::Named(switchyard_schedule::ScheduleKind::OneFOneB);
+    all.virtual_stages = 1;
+    out.push((
+        format!("--pp {} --tp {} --schedule 1f1b", all.pp, all.tp),
+        all,
+    ));
+    out.retain(|(_, c)| c.validate().is_ok());
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use switchyard_models::{GptConfig, MlpConfig};
+
+    use super::*;
+
+    fn gpt() -> TrainConfig<GptConfig> {
+        TrainConfig {
+            model: GptConfig::tiny(4),
+            seq_len: 16,
+            batch: 8,
+            threads_per_worker: 1,
+            ..TrainConfig::default()
+        }
+    }
+
+    #[test]
+    fn the_first_stage_of_one_f_one_b_holds_the_most_and_gpipe_more() {
+        let c = gpt();
+        let r = estimate_memory(&c).unwrap();
+        assert_eq!(r.len(), c.pp);
+        assert!(r[0].at_peak[Category::Activations as usize] > r[1].at_peak[3]);
+        let mut g = c.clone();
+        g.schedule = "gpipe".parse().unwrap();
+        let rg = estimate_memory(&g).unwrap();
+        assert!(rg[0].at_peak[3] > r[0].at_peak[3]);
+        // Parameters and optimizer state do not depend on the schedule.
+        assert_eq!(rg[0].at_peak[0], r[0].at_peak[0]);
+        assert_eq!(rg[0].at_peak[2], r[0].at_peak[2]);
+        assert_eq!(r[0].at_peak.iter().sum::<usize>(), r[0].peak_bytes);
+    }
+
+    #[test]
+    fn a_budget_refuses_with_the_estimate_and_what_would_fit() {
+        let mut c = gpt();
+        let peak = worst_peak(&estimate_memory(&c).unwrap());
+        c.max_memory_per_worker = Some(Bytes(peak));
+        check_fits(&c, 4, None).unwrap();
+        c.max_memory_per_worker = Some(Bytes(peak - 1));
+        let e = check_fits(&c, 4, None).unwrap_err().to_string();
+        for want in [
+            "does not fit",
+            "activations",
+            "optimizer",
+            "--pp 4",
+            "per worker",
+        ] {
+            assert!(e.contains(want), "{want}: {e}");
+        }
+        // The machine's memory when no budget is given.
+        c.max_memory_per_worker = None;
+        check_fits(&c, 4, Some(4 * peak)).unwrap();
+        let e = check_fits(&c, 4, Some(peak)).unwrap_err().to_string();
+        assert!(e.contains("available memory"), "{e}");
+    }
+
+    #[test]
+    fn a_model_without_activations_is_refused_only_under_a_budget() {
+        let mut c = TrainConfig {
+            model: MlpConfig::default(),
+            seq_len: 16,
+            batch: 8,
+            ..TrainConfig::default()
+        };
+        assert!(estimate_memory(&c).is_err());
+        check_fits(&c, 4, Some(1)).unwrap();
+        c.max_memory_per_worker = Some(Bytes(1 << 30));
+        let e = check_fits(&c, 4, None).unwrap_err().to_string();
+        assert!(e.contains("does not describe its activations"), "{e}");
+    }
+}

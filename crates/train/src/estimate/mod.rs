@@ -5,5 +5,7 @@
 //!
 //! Invariant: nothing here allocates a tensor or starts a thread (calibration aside).
 
+pub mod cluster;
 pub mod memory;
+pub mod plan;
 pub mod time;

@@ -192,6 +192,10 @@ pub struct TimeModel {
     pub p2p: AlphaBeta,
     /// All-reduces on 2 ranks.
     pub collective: AlphaBeta,
+    /// The data-parallel all-reduces' link when it is not [`TimeModel::collective`]'s (a
+    /// cluster whose replicas span nodes).
+    #[serde(default)]
+    pub dp_collective: Option<AlphaBeta>,
 }
 
 /// A predicted step, in seconds, with where the time goes.
@@ -319,9 +323,10 @@ pub fn predict_step_time<M: Model>(
     let after = |n: f64, k: f64| {
         let bytes = 4.0 * n;
         // Each bucket pays the latency; together they move the bytes once.
-        let latency = tm.collective.all_reduce(0.0, cfg.dp);
-        let dp = (bytes / bucket).ceil().max(1.0) * latency
-            + (tm.collective.all_reduce(bytes, cfg.dp) - latency);
+        let link = tm.dp_collective.unwrap_or(tm.collective);
+        let latency = link.all_reduce(0.0, cfg.dp);
+        let dp =
+            (bytes / bucket).ceil().max(1.0) * latency + (link.all_reduce(bytes, cfg.dp) - latency);
         (
             dp,
             n * tm.optimizer_s_per_param + k * tm.optimizer_s_per_tensor,
@@ -410,6 +415,7 @@ impl TimeModel {
                 alpha_s: 0.0,
                 bytes_per_s: 1e15,
             },
+            dp_collective: None,
         }
     }
 
@@ -541,6 +547,7 @@ impl TimeModel {
             optimizer_s_per_tensor,
             p2p,
             collective,
+            dp_collective: None,
         })
     }
 }

@@ -1,0 +1,381 @@
+//! `switchyard plan` (issue 15 §4): every layout of a model on `N` workers (dp × pp × tp,
+//! schedule, microbatches, virtual stages), each with its predicted peak memory per
+//! worker ([`super::memory`]) and step time (a caller's time model, [`super::time`]),
+//! ranked: the layouts that fit the memory budget, fastest first, then the rejected ones
+//! with why.
+//!
+//! A layout's text form is `dp2 pp2 tp1 1f1b m8` (`interleaved v2` for two virtual
+//! stages): [`Layout`] parses and prints it.
+
+use std::fmt;
+use std::str::FromStr;
+
+use switchyard_mem::Category;
+use switchyard_models::Model;
+use switchyard_schedule::{ScheduleChoice, ScheduleKind};
+
+use super::memory::{estimate_memory, RankEstimate};
+use crate::TrainConfig;
+
+/// Where a layout puts the workers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Layout {
+    pub dp: usize,
+    pub pp: usize,
+    pub tp: usize,
+    pub schedule: ScheduleKind,
+    pub microbatches: usize,
+}
+
+impl Layout {
+    /// The layout of `cfg` (`None` for a schedule read from a file).
+    pub fn of<M>(cfg: &TrainConfig<M>) -> Option<Layout> {
+        let ScheduleChoice::Named(kind) = &cfg.schedule else {
+            return None;
+        };
+        let schedule = match kind {
+            ScheduleKind::Interleaved { .. } => ScheduleKind::Interleaved {
+                virtual_stages: cfg.virtual_stages,
+            },
+            k => *k,
+        };
+        Some(Layout {
+            dp: cfg.dp,
+            pp: cfg.pp,
+            tp: cfg.tp,
+            schedule,
+            microbatches: cfg.microbatches,
+        })
+    }
+
+    /// `base` with this layout.
+    pub fn apply<M: Clone>(&self, base: &TrainConfig<M>) -> TrainConfig<M> {
+        let mut c = base.clone();
+        c.dp = self.dp;
+        c.pp = self.pp;
+        c.tp = self.tp;
+        c.microbatches = self.microbatches;
+        c.virtual_stages = match self.schedule {
+            ScheduleKind::Interleaved { virtual_stages } => virtual_stages,
+            _ => 1,
+        };
+        c.schedule = ScheduleChoice::Named(self.schedule);
+        c
+    }
+
+    pub fn workers(&self) -> usize {
+        self.dp * self.pp * self.tp
+    }
+}
+
+impl fmt::Display for Layout {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "dp{} pp{} tp{} ", self.dp, self.pp, self.tp)?;
+        match self.schedule {
+            ScheduleKind::Interleaved { virtual_stages } => {
+                write!(f, "interleaved v{virtual_stages}")?
+            }
+            ref k => write!(f, "{k}")?,
+        }
+        write!(f, " m{}", self.microbatches)
+    }
+}
+
+impl FromStr for Layout {
+    type Err = String;
+    /// `dp2 pp2 tp1 1f1b m8`: the axes and `m` in any order, each at most once; missing
+    /// axes are 1; `interleaved` takes `vN` (default 2).
+    fn from_str(s: &str) -> Result<Layout, String> {
+        let (mut dp, mut pp, mut tp, mut m, mut v) = (None, None, None, None, None);
+        let mut schedule = None;
+        for word in s.split_whitespace() {
+            let num = |prefix: &str| -> Option<Result<usize, String>> {
+                let rest = word.strip_prefix(prefix)?;
+                if rest.is_empty() || !rest.bytes().all(|b| b.is_ascii_digit()) {
+                    return None;
+                }
+                Some(
+                    rest.parse::<usize>()
+                        .ok()
+                        .filter(|&n| n > 0)
+                        .ok_or_else(|| format!("`{word}`: the count must be a positive number")),
+                )
+            };
+            let slot = if let Some(n) = num("dp") {
+                Some((&mut dp, n?))
+            } else if let Some(n) = num("pp") {
+                Some((&mut pp, n?))
+            } else if let Some(n) = num("tp") {
+                Some((&mut tp, n?))
+            } else if let Some(n) = num("m") {
+                Some((&mut m, n?))
+            } else if let Some(n) = num("v") {
+                Some((&mut v, n?))
+            } else {
+                None
+            };
+            match slot {
+                Some((slot, n)) => {
+                    if slot.replace(n).is_some() {
+                        return Err(format!("`{s}`: `{word}` given twice"));
+                    }
+                }
+                None => {
+                    let kind: ScheduleKind = word.parse().map_err(|_| {
+                        format!(
+                            "`{s}`: `{word}` is neither an axis (dpN, ppN, tpN, mN, vN) nor a \
+                             schedule (gpipe, 1f1b, interleaved, zb-h1)"
+                        )
+                    })?;
+                    if schedule.replace(kind).is_some() {
+                        return Err(format!("`{s}`: two schedules"));
+                    }
+                }
+            }
+        }
+        let mut schedule = schedule.unwrap_or(ScheduleKind::OneFOneB);
+        match (&mut schedule, v) {
+            (ScheduleKind::Interleaved { virtual_stages }, v) => *virtual_stages = v.unwrap_or(2),
+            (_, Some(_)) => return Err(format!("`{s}`: vN is for the interleaved schedule")),
+            _ => {}
+        }
+        let pp = pp.unwrap_or(1);
+        Ok(Layout {
+            dp: dp.unwrap_or(1),
+            pp,
+            tp: tp.unwrap_or(1),
+            schedule,
+            microbatches: m.unwrap_or(pp),
+        })
+    }
+}
+
+/// Why a layout is out.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Verdict {
+    /// It fits the budget.
+    Fits,
+    /// Its worst rank's predicted peak exceeds the budget.
+    TooBig { peak: u64 },
+    /// The trainer would refuse it (the reason, as the trainer says it).
+    Invalid(String),
+}
+
+/// One layout, predicted.
+#[derive(Debug, Clone)]
+pub struct Candidate {
+    pub layout: Layout,
+    pub verdict: Verdict,
+    /// Every pipeline rank's predicted peak (empty for an invalid layout).
+    pub memory: Vec<RankEstimate>,
+    /// The predicted step time, seconds (`None` without a time model or when it fails).
+    pub step_s: Option<f64>,
+}
+
+impl Candidate {
+    /// The worst rank's predicted peak.
+    pub fn peak_bytes(&self) -> u64 {
+        self.memory
+            .iter()
+            .map(|r| r.peak_bytes as u64)
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// The category that dominates the worst rank's peak.
+    pub fn dominant(&self) -> Option<Category> {
+        self.memory
+            .iter()
+            .max_by_key(|r| r.peak_bytes)
+            .map(|r| r.dominant())
+    }
+}
+
+/// Every layout of exactly `workers` workers for `base`'s model and batch: each
+/// factorisation `dp × pp × tp`, each generated schedule (interleaved with 2 virtual
+/// stages), and microbatches of 1 to 64 sequences that divide a replica's batch, at least
+/// `pp` of them.
+pub fn layouts<M: Model>(base: &TrainConfig<M>, workers: usize) -> Vec<Layout> {
+    let mut out = Vec::new();
+    for dp in divisors(workers) {
+        for pp in divisors(workers / dp) {
+            let tp = workers / dp / pp;
+            let schedules: Vec<ScheduleKind> = match pp {
+                1 => vec![ScheduleKind::OneFOneB],
+                _ => vec![
+                    ScheduleKind::GPipe,
+                    ScheduleKind::OneFOneB,
+                    ScheduleKind::Interleaved { virtual_stages: 2 },
+                    ScheduleKind::ZbH1,
+                ],
+            };
+            let per_replica = base.batch / dp.max(1);
+            for schedule in schedules {
+                // Microbatches of 1 to 64 sequences that divide the replica's batch.
+                for size in divisors(per_replica).into_iter().filter(|&b| b <= 64) {
+                    let m = per_replica / size;
+                    if m >= pp {
+                        out.push(Layout {
+                            dp,
+                            pp,
+                            tp,
+                            schedule,
+                            microbatches: m,
+                        });
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+fn divisors(n: usize) -> Vec<usize> {
+    (1..=n).filter(|d| n.is_multiple_of(*d)).collect()
+}
+
+/// Predicts `layout` on `base`: valid? how much memory? how long a step (by `time`)?
+pub fn candidate<M: Model>(
+    base: &TrainConfig<M>,
+    layout: &Layout,
+    budget: Option<u64>,
+    time: &dyn Fn(&TrainConfig<M>) -> Option<f64>,
+) -> Candidate {
+    let cfg = layout.apply(base);
+    let invalid = |why: String| Candidate {
+        layout: layout.clone(),
+        verdict: Verdict::Invalid(why),
+        memory: Vec::new(),
+        step_s: None,
+    };
+    if let Err(e) = cfg.validate_layout() {
+        return invalid(e.to_string());
+    }
+    let memory = match estimate_memory(&cfg) {
+        Ok(m) => m,
+        Err(e) => return invalid(e.to_string()),
+    };
+    let mut c = Candidate {
+        layout: layout.clone(),
+        verdict: Verdict::Fits,
+        memory,
+        step_s: time(&cfg),
+    };
+    let peak = c.peak_bytes();
+    if budget.is_some_and(|b| peak > b) {
+        c.verdict = Verdict::TooBig { peak };
+    }
+    c
+}
+
+/// Every layout of `workers` workers, predicted and ranked: those that fit, fastest
+/// first (least memory first without times); then those too big, smallest first; then
+/// the invalid ones.
+pub fn plan<M: Model>(
+    base: &TrainConfig<M>,
+    workers: usize,
+    budget: Option<u64>,
+    time: &dyn Fn(&TrainConfig<M>) -> Option<f64>,
+) -> Vec<Candidate> {
+    let mut all: Vec<Candidate> = layouts(base, workers)
+        .iter()
+        .map(|l| candidate(base, l, budget, time))
+        .collect();
+    let rank = |c: &Candidate| match c.verdict {
+        Verdict::Fits => 0,
+        Verdict::TooBig { .. } => 1,
+        Verdict::Invalid(_) => 2,
+    };
+    all.sort_by(|a, b| {
+        rank(a)
+            .cmp(&rank(b))
+            .then_with(|| match (a.step_s, b.step_s) {
+                (Some(x), Some(y)) if rank(a) == 0 => x.total_cmp(&y),
+                _ => a.peak_bytes().cmp(&b.peak_bytes()),
+            })
+    });
+    all
+}
+
+#[cfg(test)]
+mod tests {
+    use switchyard_models::GptConfig;
+
+    use super::*;
+
+    fn base() -> TrainConfig<GptConfig> {
+        TrainConfig {
+            model: GptConfig::tiny(4),
+            seq_len: 16,
+            batch: 16,
+            threads_per_worker: 1,
+            ..TrainConfig::default()
+        }
+    }
+
+    #[test]
+    fn a_layout_reads_and_prints_its_text_form() {
+        for text in [
+            "dp2 pp2 tp1 1f1b m8",
+            "dp1 pp4 tp2 interleaved v2 m8",
+            "dp4 pp1 tp1 1f1b m1",
+        ] {
+            let l: Layout = text.parse().unwrap();
+            assert_eq!(l.to_string(), text);
+        }
+        let l: Layout = "pp2 gpipe".parse().unwrap();
+        assert_eq!((l.dp, l.pp, l.tp, l.microbatches), (1, 2, 1, 2));
+        for bad in ["dp2 dp2", "pp2 gpipe 1f1b", "dp0", "fast", "pp2 1f1b v2"] {
+            assert!(bad.parse::<Layout>().is_err(), "{bad}");
+        }
+        let c = l.apply(&base());
+        assert_eq!(Layout::of(&c), Some(l));
+    }
+
+    #[test]
+    fn every_layout_multiplies_to_the_workers_and_is_ranked() {
+        let b = base();
+        let all = layouts(&b, 4);
+        assert!(all.iter().all(|l| l.workers() == 4));
+        for want in [
+            "dp4 pp1 tp1 1f1b m1",
+            "dp1 pp2 tp2 zb-h1 m4",
+            "dp1 pp4 tp1 gpipe m16",
+        ] {
+            assert!(all.iter().any(|l| l.to_string() == want), "{want}");
+        }
+        for never in ["dp1 pp4 tp1 gpipe m2", "dp4 pp1 tp1 1f1b m3"] {
+            assert!(!all.iter().any(|l| l.to_string() == never), "{never}");
+        }
+        assert!(all.iter().any(|l| l.to_string() == "dp1 pp2 tp2 1f1b m2"));
+        // Without a budget or times: valid ones by memory, invalid last (interleaved
+        // pp 4 needs 8 layers, the tiny GPT has 4).
+        let ranked = plan(&b, 4, None, &|_| None);
+        let first_invalid = ranked
+            .iter()
+            .position(|c| matches!(c.verdict, Verdict::Invalid(_)))
+            .unwrap();
+        assert!(ranked[first_invalid..]
+            .iter()
+            .all(|c| matches!(c.verdict, Verdict::Invalid(_))));
+        assert!(ranked[..first_invalid]
+            .windows(2)
+            .all(|w| w[0].peak_bytes() <= w[1].peak_bytes()));
+        // A budget splits them; times order the fitting ones.
+        let budget = ranked[first_invalid / 2].peak_bytes();
+        let timed = plan(&b, 4, Some(budget), &|c| Some(c.microbatches as f64));
+        assert!(timed
+            .iter()
+            .take_while(|c| c.verdict == Verdict::Fits)
+            .all(|c| c.peak_bytes() <= budget));
+        let fits: Vec<f64> = timed
+            .iter()
+            .filter(|c| c.verdict == Verdict::Fits)
+            .map(|c| c.step_s.unwrap())
+            .collect();
+        assert!(fits.windows(2).all(|w| w[0] <= w[1]));
+        assert!(timed
+            .iter()
+            .any(|c| matches!(c.verdict, Verdict::TooBig { peak } if peak > budget)));
+    }
+}
