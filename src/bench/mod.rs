@@ -257,6 +257,16 @@ pub struct Row {
     pub ideal_speedup: f64,
     /// Peak resident memory of the process running the case, divided by its workers.
     pub peak_mib_per_worker: Option<f64>,
+    /// The largest counted peak of a rank (`switchyard-mem`), MiB; `None` when the
+    /// process does not count.
+    #[serde(default)]
+    pub memory_measured_mib: Option<f64>,
+    /// The memory estimator's largest peak of a rank, MiB.
+    #[serde(default)]
+    pub memory_predicted_mib: Option<f64>,
+    /// The largest |predicted − measured| / measured peak over the ranks.
+    #[serde(default)]
+    pub memory_worst_error: Option<f64>,
     pub final_loss: f64,
     /// The time model's step, before the run (filled in by [`Report::predict`]).
     #[serde(default)]
@@ -340,10 +350,31 @@ pub fn run_case(p: &Preset, c: &Case) -> Result<Row, BenchError> {
         bubble_predicted,
         ideal_speedup,
         peak_mib_per_worker: peak_rss_mib().map(|m| m / c.workers() as f64),
+        memory_measured_mib: report
+            .memory
+            .iter()
+            .map(|m| m.peak_bytes as f64 / MIB)
+            .reduce(f64::max),
+        memory_predicted_mib: report
+            .memory
+            .iter()
+            .filter_map(|m| m.predicted_peak_bytes)
+            .map(|b| b as f64 / MIB)
+            .reduce(f64::max),
+        memory_worst_error: report
+            .memory
+            .iter()
+            .filter_map(|m| {
+                let p = m.predicted_peak_bytes? as f64;
+                Some((p - m.peak_bytes as f64).abs() / m.peak_bytes as f64)
+            })
+            .reduce(f64::max),
         final_loss: report.final_loss(),
         predicted: None,
     })
 }
+
+const MIB: f64 = 1024.0 * 1024.0;
 
 /// The whole table.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -413,8 +444,8 @@ impl Report {
             p.steps,
             p.warmup
         );
-        s += "| layout | workers × threads | tokens/s | speed-up | ideal | MFU | bubble measured / predicted | step ms measured / predicted | predicted ÷ measured | peak MiB per worker |\n";
-        s += "|---|---|---:|---:|---:|---:|---|---:|---:|---:|\n";
+        s += "| layout | workers × threads | tokens/s | speed-up | ideal | MFU | bubble measured / predicted | step ms measured / predicted | predicted ÷ measured | peak MiB of a rank measured / predicted (worst rank's error) | resident MiB per worker |\n";
+        s += "|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|\n";
         for r in &self.rows {
             let c = &r.case;
             let bubble = match r.bubble_measured.is_empty() {
@@ -431,8 +462,16 @@ impl Report {
                 Some(p) => format!("{:.1} / {:.1}", 1e3 * r.step_s, 1e3 * p.seconds),
                 None => format!("{:.1} / –", 1e3 * r.step_s),
             };
+            let memory = match (r.memory_measured_mib, r.memory_predicted_mib) {
+                (Some(m), Some(p)) => format!(
+                    "{m:.1} / {p:.1} ({:.1}%)",
+                    100.0 * r.memory_worst_error.unwrap_or(f64::NAN)
+                ),
+                (Some(m), None) => format!("{m:.1} / –"),
+                _ => "–".into(),
+            };
             s += &format!(
-                "| {} | {} × {} | {:.0} | {} | {:.2}× | {} | {} | {} | {} | {} |\n",
+                "| {} | {} × {} | {:.0} | {} | {:.2}× | {} | {} | {} | {} | {memory} | {} |\n",
                 c.name,
                 c.workers(),
                 c.threads_per_worker,

@@ -317,7 +317,8 @@ impl Model for GptConfig {
     ///
     /// the embeddings save `2·d` (`3·d` when the table is split: the partial rows and
     /// their sum), the head `d + V_p` (`2·d + V_p` when split). A block's weights are
-    /// packed for the fused kernels once per step (`12·d²/tp`). Measured against
+    /// packed for the fused kernels once per step (`12·d²/tp`). These are the fused ops'
+    /// figures: with the composed ops the activations are left undescribed. Measured against
     /// `switchyard-mem` in `switchyard-train`'s `tests/estimate.rs`.
     fn footprint(
         &self,
@@ -377,6 +378,11 @@ impl Model for GptConfig {
         if plan.head {
             per_token += if split { 2.0 * d } else { d } + rows as f64;
             tensors += 8;
+        }
+        // The composed twins keep candle's intermediates (the attention's `T × T` scores
+        // among them): not described yet, so not predicted.
+        if self.ops == OpsBackend::Composed {
+            return Ok(f);
         }
         f.activations = Some(Activations {
             per_token,
