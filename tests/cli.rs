@@ -648,25 +648,11 @@ fn plan_ranks_the_layouts_that_fit_and_explains_one() {
 fn a_layout_in_one_flag_or_chosen_by_the_planner_trains() {
     // TINY without its --microbatches (a layout says how many).
     let args = |extra: &[&str]| -> Vec<String> {
-        let model = [
-            "train",
-            "--d-model",
-            "16",
-            "--layers",
-            "2",
-            "--heads",
-            "2",
-            "--seq-len",
-            "8",
-            "--batch",
-            "4",
-            "--quiet",
-            "--threads-per-worker",
-            "1",
-            "--steps",
-            "1",
-        ];
-        model.iter().chain(extra).map(|s| s.to_string()).collect()
+        let mut v = tiny(&["--steps", "1"]);
+        let m = v.iter().position(|a| a == "--microbatches").unwrap();
+        v.drain(m..m + 2);
+        v.extend(extra.iter().map(|s| s.to_string()));
+        v
     };
     let out = ok(&strs(&args(&["--layout", "dp2 pp2 tp1 gpipe m2"])));
     assert!(out.contains("dp 2 × pp 2 × tp 1"), "{out}");

@@ -390,7 +390,6 @@ impl Model for GptConfig {
             tensors,
             backward_per_token: 5.0 * d + if plan.head { rows as f64 } else { 0.0 },
             input_per_token: if plan.embed { 0.0 } else { d },
-            width: self.d_model,
         });
         Ok(f)
     }

@@ -234,10 +234,6 @@ pub struct Activations {
     /// Elements per token of the stage's input (what the previous stage sends), and so of
     /// the gradient it sends back; 0 on the first stage.
     pub input_per_token: f64,
-    /// The width of the stage's matrix products (a transformer's `d_model`): with the
-    /// microbatch's tokens it decides whether the matrix-multiply library packs through
-    /// its per-thread buffer.
-    pub width: usize,
 }
 
 /// A pipeline stage of a [`Model`] that, when it is the last stage, scores its output.

@@ -136,7 +136,7 @@ pub fn estimate_memory<M: Model>(cfg: &TrainConfig<M>) -> Result<Vec<RankEstimat
         0 => switchyard_comm::threads::default_threads_per_worker(cfg.world_size()),
         n => n,
     };
-    let width = acts.iter().map(|a| a.width).max().unwrap_or(0);
+    let width = cfg.model.width().unwrap_or(0);
     let scratch = match packs_through_scratch(cfg.microbatch_size() * cfg.seq_len, width) {
         true => scratch_per_thread(),
         false => 0,

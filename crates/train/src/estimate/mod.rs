@@ -5,6 +5,7 @@
 //!
 //! Invariant: nothing here allocates a tensor or starts a thread (calibration aside).
 
+mod calibrate;
 pub mod cluster;
 pub mod memory;
 pub mod plan;
