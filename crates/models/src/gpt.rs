@@ -318,13 +318,17 @@ impl Model for GptConfig {
     /// the embeddings save `2·d` (`3·d` when the table is split: the partial rows and
     /// their sum), the head `d + V_p` (`2·d + V_p` when split). A block's weights are
     /// packed for the fused kernels once per step (`12·d²/tp`). These are the fused ops'
-    /// figures: with the composed ops the activations are left undescribed. Measured against
+    /// figures. The composed ops keep every intermediate candle creates: per token a
+    /// block keeps `16·d + 56·d/tp + 6·T·h/tp` (the LayerNorms' five `d`-wide steps
+    /// each, the GELU's nine `4·d/tp`-wide ones, six `T × T` score tensors per head;
+    /// `4·d` more for the collectives' hooks when split) and one `T × T` mask per
+    /// microbatch; the head keeps the logits, shifted and exponentiated. Measured against
     /// `switchyard-mem` in `switchyard-train`'s `tests/estimate.rs`.
     fn footprint(
         &self,
         plan: &StagePlan,
         tp: usize,
-        _seq_len: usize,
+        seq_len: usize,
     ) -> std::result::Result<Footprint, ModelError> {
         GptConfig::validate(self)?;
         let (d, layers) = (self.d_model, plan.blocks.len());
@@ -368,27 +372,49 @@ impl Model for GptConfig {
         }
         f.step_cache = layers * 12 * d * d / tp;
         let split = tp > 1;
+        let rows = rows as f64;
         let (d, l, h) = (d as f64, layers as f64, (self.n_head / tp) as f64);
-        let mut per_token = l * (12.0 * d / tp as f64 + 6.0 * d + h);
-        let mut tensors = 32 * layers;
+        let a = tp as f64;
+        let (block, per_microbatch, block_tensors, ln_f) = match self.ops {
+            OpsBackend::Fused => (12.0 * d / a + 6.0 * d + h, 0, 32, d),
+            // Candle keeps every intermediate of the composed ops (see the doc above).
+            OpsBackend::Composed => {
+                let t = seq_len as f64;
+                let hooks = if split { 4.0 * d } else { 0.0 };
+                let block = 16.0 * d + 56.0 * d / a + 6.0 * h * t + 2.0 * h + 10.0 + hooks;
+                (block, seq_len * seq_len, 60, 5.0 * d + 5.0)
+            }
+        };
+        let mut per_token = l * block;
+        let mut tensors = block_tensors * layers;
         if plan.embed {
             per_token += if split { 3.0 * d } else { 2.0 * d };
             tensors += 4;
         }
         if plan.head {
-            per_token += if split { 2.0 * d } else { d } + rows as f64;
+            per_token += ln_f + if split { d } else { 0.0 };
+            per_token += match self.ops {
+                OpsBackend::Fused => rows,
+                // The logits, shifted and exponentiated, and a few values per row.
+                OpsBackend::Composed => 3.0 * rows + 8.0,
+            };
             tensors += 8;
-        }
-        // The composed twins keep candle's intermediates (the attention's `T × T` scores
-        // among them): not described yet, so not predicted.
-        if self.ops == OpsBackend::Composed {
-            return Ok(f);
         }
         f.activations = Some(Activations {
             per_token,
-            per_microbatch: 0,
+            per_microbatch: layers * per_microbatch,
             tensors,
-            backward_per_token: 5.0 * d + if plan.head { rows as f64 } else { 0.0 },
+            backward_per_token: match self.ops {
+                OpsBackend::Fused => 5.0 * d + if plan.head { rows } else { 0.0 },
+                // Candle's backward holds each node's gradient until it is used, with
+                // temporaries of the chain rule: fitted to measurements (`tests/estimate.rs`).
+                OpsBackend::Composed => {
+                    let t = seq_len as f64;
+                    (32.0 * d + 4.0 * d * l) / a
+                        + 2.0 * h * t
+                        + if plan.head { 5.0 * rows } else { 0.0 }
+                }
+            },
             input_per_token: if plan.embed { 0.0 } else { d },
         });
         Ok(f)

@@ -105,3 +105,38 @@ fn the_predicted_peak_is_within_ten_percent_up_to_four_on_each_axis() {
     }
     assert!(worst <= 0.10, "worst error {:.1} %", 100.0 * worst);
 }
+
+/// The composed ops (candle's own differentiable operations, which keep every
+/// intermediate, the attention's `T × T` scores among them): every layout under GPipe and
+/// 1F1B, and other widths, heads, lengths and depths.
+#[test]
+fn the_composed_ops_are_predicted_within_ten_percent() {
+    let composed = |layout, s, d, layers| {
+        let mut c = cfg(layout, s, gpt(d, layers));
+        c.model.ops = switchyard_models::OpsBackend::Composed;
+        c.seq_len = 64;
+        c.model.block_size = 64;
+        c.microbatches = 8;
+        c.batch = 32;
+        c
+    };
+    let mut worst: f64 = 0.0;
+    for &layout in LAYOUTS.iter().chain(&[(4, 1, 1), (1, 4, 4)]) {
+        for s in schedules(layout.1).iter().take(2) {
+            worst = worst.max(worst_error(&composed(layout, s, 128, 8)));
+        }
+    }
+    for (d, t, h, layers) in [
+        (64, 64, 4, 2),
+        (256, 64, 4, 2),
+        (128, 32, 8, 4),
+        (128, 64, 2, 2),
+    ] {
+        let mut c = composed((1, 1, 1), "gpipe", d, layers);
+        c.model.n_head = h;
+        (c.seq_len, c.model.block_size) = (t, t);
+        (c.microbatches, c.batch) = (1, 4);
+        worst = worst.max(worst_error(&c));
+    }
+    assert!(worst <= 0.10, "worst error {:.1} %", 100.0 * worst);
+}
