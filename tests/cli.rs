@@ -656,6 +656,16 @@ fn a_layout_in_one_flag_or_chosen_by_the_planner_trains() {
     };
     let out = ok(&strs(&args(&["--layout", "dp2 pp2 tp1 gpipe m2"])));
     assert!(out.contains("dp 2 × pp 2 × tp 1"), "{out}");
+    // Recomputation is part of a layout, or a flag of its own.
+    ok(&strs(&args(&["--layout", "pp2 1f1b m2 recompute-full"])));
+    ok(&strs(&args(&[
+        "--microbatches",
+        "2",
+        "--recompute",
+        "selective",
+    ])));
+    let twice = switchyard(&strs(&args(&["--layout", "pp2", "--recompute", "full"])));
+    assert_eq!(twice.status.code(), Some(2));
     let o = switchyard(&strs(&args(&["--layout", "auto", "--workers", "2"])));
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(o.status.success(), "{err}");

@@ -44,8 +44,10 @@ pub struct TrainArgs {
     pub split: Option<SplitSpec>,
     /// The whole layout in one: `auto` (the fastest that `switchyard plan` finds fitting
     /// --workers and the memory budget) or its text form, such as "dp2 pp2 tp1 1f1b m8"
+    /// (add "recompute-full" or "recompute-selective" for activation recomputation)
     #[arg(long, value_name = "auto|LAYOUT",
-          conflicts_with_all = ["dp", "pp", "tp", "schedule", "microbatches", "virtual_stages"])]
+          conflicts_with_all = ["dp", "pp", "tp", "schedule", "microbatches", "virtual_stages",
+                                "recompute"])]
     pub layout: Option<String>,
     /// Workers for --layout auto (default: 4); `switchyard plan` plans for this many
     #[arg(long)]
@@ -147,6 +149,11 @@ pub struct TrainArgs {
     /// (512MiB, 2GiB, 1.5GB); without it, refuse beyond this machine's available memory
     #[arg(long, value_name = "SIZE")]
     pub max_memory_per_worker: Option<switchyard_train::Bytes>,
+    /// Activation recomputation: none (keep everything), selective (the MLP's GELU
+    /// output is computed again in the backward) or full (each block keeps only its
+    /// input and runs forward again before its backward)
+    #[arg(long, value_name = "none|selective|full")]
+    pub recompute: Option<switchyard_train::Recompute>,
     /// Bound on any blocking communication, in seconds
     #[arg(long)]
     pub comm_timeout: Option<f64>,
@@ -344,7 +351,8 @@ pub fn resolve(
         eps => eps, grad_clip => grad_clip, seed => seed,
         threads_per_worker => threads_per_worker, comm_timeout => comm_timeout_secs,
         vocab_size => model.vocab_size, val_fraction => val_fraction,
-        eval_every => eval_every, eval_batches => eval_batches, device => device);
+        eval_every => eval_every, eval_batches => eval_batches, device => device,
+        recompute => recompute);
     if let Some(b) = a.max_memory_per_worker {
         c.max_memory_per_worker = Some(b);
     }

@@ -234,6 +234,27 @@ impl switchyard_pipeline::Stage for GptStage {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         Module::forward(self, x)
     }
+    /// One segment per block (the embeddings go with the first, the head with the last).
+    fn num_segments(&self) -> usize {
+        self.blocks.len().max(1)
+    }
+    fn forward_segment(&self, i: usize, x: &Tensor) -> Result<Tensor> {
+        let n = self.blocks.len().max(1);
+        if i >= n {
+            candle_core::bail!("a GPT stage of {n} segments has no segment {i}");
+        }
+        let mut h = match i {
+            0 => self.embed(x)?,
+            _ => x.clone(),
+        };
+        if let Some(b) = self.blocks.get(i) {
+            h = b.forward(&h)?;
+        }
+        match i + 1 == n {
+            true => self.head(h),
+            false => Ok(h),
+        }
+    }
     fn params(&self) -> &[Var] {
         &self.params
     }
@@ -385,23 +406,31 @@ impl Model for GptConfig {
                 (block, seq_len * seq_len, 60, 5.0 * d + 5.0)
             }
         };
-        let mut per_token = l * block;
+        let embed = match (plan.embed, split) {
+            (false, _) => 0.0,
+            (true, false) => 2.0 * d,
+            (true, true) => 3.0 * d,
+        };
+        let head = match plan.head {
+            false => 0.0,
+            true => {
+                ln_f + if split { d } else { 0.0 }
+                    + match self.ops {
+                        OpsBackend::Fused => rows,
+                        // The logits, shifted and exponentiated, and a few values per row.
+                        OpsBackend::Composed => 3.0 * rows + 8.0,
+                    }
+            }
+        };
         let mut tensors = block_tensors * layers;
-        if plan.embed {
-            per_token += if split { 3.0 * d } else { 2.0 * d };
-            tensors += 4;
-        }
-        if plan.head {
-            per_token += ln_f + if split { d } else { 0.0 };
-            per_token += match self.ops {
-                OpsBackend::Fused => rows,
-                // The logits, shifted and exponentiated, and a few values per row.
-                OpsBackend::Composed => 3.0 * rows + 8.0,
-            };
-            tensors += 8;
-        }
+        tensors += 4 * plan.embed as usize + 8 * plan.head as usize;
+        // One segment per block, the embeddings in the first and the head in the last.
+        let segment = match layers {
+            0 | 1 => block * l + embed + head,
+            _ => block + embed.max(head),
+        };
         f.activations = Some(Activations {
-            per_token,
+            per_token: l * block + embed + head,
             per_microbatch: layers * per_microbatch,
             tensors,
             backward_per_token: match self.ops {
@@ -415,6 +444,14 @@ impl Model for GptConfig {
                         + if plan.head { 5.0 * rows } else { 0.0 }
                 }
             },
+            // The fused MLP's GELU output (the composed twin keeps everything).
+            selective_per_token: match self.ops {
+                OpsBackend::Fused => l * 4.0 * d / a,
+                OpsBackend::Composed => 0.0,
+            },
+            segments: layers.max(1),
+            segment_input_per_token: d,
+            segment_per_token: segment,
             input_per_token: if plan.embed { 0.0 } else { d },
         });
         Ok(f)
@@ -504,9 +541,10 @@ impl Model for GptConfig {
     }
 }
 
-impl Module for GptStage {
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let mut h = match &self.embed {
+impl GptStage {
+    /// The embeddings of token ids on the first stage; the identity elsewhere.
+    fn embed(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(match &self.embed {
             Some(e) => {
                 if x.dtype() != DType::U32 || x.rank() != 2 {
                     return Err(ModelError::Input(format!(
@@ -522,10 +560,11 @@ impl Module for GptStage {
                 tok.broadcast_add(&pos)?
             }
             None => x.clone(),
-        };
-        for b in &self.blocks {
-            h = b.forward(&h)?;
-        }
+        })
+    }
+
+    /// The logits slice on the last stage; the identity elsewhere.
+    fn head(&self, h: Tensor) -> Result<Tensor> {
         match &self.head {
             Some(head) => {
                 let h = head.ln_f.forward(&h)?;
@@ -535,5 +574,15 @@ impl Module for GptStage {
             }
             None => Ok(h),
         }
+    }
+}
+
+impl Module for GptStage {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let mut h = self.embed(x)?;
+        for b in &self.blocks {
+            h = b.forward(&h)?;
+        }
+        self.head(h)
     }
 }

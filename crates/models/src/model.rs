@@ -234,6 +234,15 @@ pub struct Activations {
     /// Elements per token of the stage's input (what the previous stage sends), and so of
     /// the gradient it sends back; 0 on the first stage.
     pub input_per_token: f64,
+    /// Of `per_token`, the elements selective recomputation does not keep (computed
+    /// again in the backward).
+    pub selective_per_token: f64,
+    /// The segments of full recomputation (`Stage::num_segments`), each keeping its input
+    /// of `segment_input_per_token` elements per token (token ids count as one).
+    pub segments: usize,
+    pub segment_input_per_token: f64,
+    /// The most one segment saves per token: what a recomputed backward holds at once.
+    pub segment_per_token: f64,
 }
 
 /// A pipeline stage of a [`Model`] that, when it is the last stage, scores its output.

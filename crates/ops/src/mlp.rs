@@ -44,6 +44,12 @@ pub struct PairOptions {
     pub reduce_input_grad: Option<Reduce>,
     /// The fused op or its composed twin ([`OpsBackend`]).
     pub backend: OpsBackend,
+    /// Selective recomputation, for the MLP (GELU in the middle): keep only the
+    /// pre-activation `pre = x · w1ᵀ + b1` for the backward, which computes `GELU(pre)`
+    /// again (4·d/tp fewer elements per token for one elementwise pass). The same
+    /// kernel runs on the same input, so the gradients are those without it. The
+    /// attention and the composed twin ignore it.
+    pub recompute_gelu: bool,
 }
 
 /// The weights of a column-then-row pair, each fused with its bias as a last column
@@ -194,12 +200,18 @@ struct Pair {
     bias: [bool; 2],
     /// The middle function: attention, or GELU when `None`.
     attention: Option<AttentionEpilogue>,
-    /// `pre` and `h = mid(pre)`, for the backward pass.
-    saved: OnceLock<(CpuStorage, CpuStorage)>,
+    /// `pre` and `h = mid(pre)`, for the backward pass (`h` recomputed there instead
+    /// under [`PairOptions::recompute_gelu`]).
+    saved: OnceLock<(CpuStorage, Option<CpuStorage>)>,
 }
 
 impl Pair {
     const NAME: &'static str = "switchyard-column-row-pair";
+
+    /// Whether the backward computes `h = GELU(pre)` again instead of keeping it.
+    fn recomputes_h(&self) -> bool {
+        self.opts.recompute_gelu && self.attention.is_none()
+    }
 
     /// Row strides of the two weight inputs: their width plus the bias column.
     fn lds(&self) -> (usize, usize) {
@@ -237,9 +249,11 @@ impl Pair {
         let b2 = bias(self.bias[1], w2, out, ld2);
         let reduce = self.opts.reduce_output.as_ref();
         let y = affine_forward(&h, mid, w2, ld2, b2.as_deref(), out, reduce)?;
-        let _ = self
-            .saved
-            .set((T::to_cpu_storage_owned(pre), T::to_cpu_storage_owned(h)));
+        let h = match self.recomputes_h() {
+            true => None,
+            false => Some(T::to_cpu_storage_owned(h)),
+        };
+        let _ = self.saved.set((T::to_cpu_storage_owned(pre), h));
         let mut dims = shape.dims().to_vec();
         *dims.last_mut().expect("rank ≥ 2") = out;
         Ok((T::to_cpu_storage_owned(y), Shape::from(dims)))
@@ -258,7 +272,15 @@ impl Pair {
         let Some((pre, h)) = self.saved.get() else {
             bail!("{}: backward before forward", Self::NAME)
         };
-        let (pre, h) = (T::cpu_storage_as_slice(pre)?, T::cpu_storage_as_slice(h)?);
+        let pre = T::cpu_storage_as_slice(pre)?;
+        let recomputed;
+        let h = match h {
+            Some(h) => T::cpu_storage_as_slice(h)?,
+            None => {
+                recomputed = gelu_forward(pre)?;
+                &recomputed[..]
+            }
+        };
         let grad = grad.contiguous()?;
         let n = Self::NAME;
         let (xv, w1v, w2v, gv) = (view(x, n)?, view(w1, n)?, view(w2, n)?, view(&grad, n)?);

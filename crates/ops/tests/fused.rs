@@ -89,20 +89,31 @@ fn check_pair(
             .into_iter()
             .flat_map(|h| OpsBackend::ALL.map(|b| (h, b)))
         {
-            let opts = PairOptions {
-                reduce_output: hooks.then(|| double.clone()),
-                reduce_input_grad: hooks.then(|| double.clone()),
-                backend,
-            };
-            for biases in [true, false] {
-                let got = value_and_grads(&vals, shapes, dtype, biases, &g, &*fused(&opts));
-                let want = value_and_grads(&vals, shapes, dtype, biases, &g, &*plain(&opts));
-                assert_eq!(got.len(), want.len());
-                for (i, (a, b)) in got.iter().zip(&want).enumerate() {
-                    let at = format!(
-                        "{what} ({backend}): output {i} {dtype:?} hooks {hooks} biases {biases}"
-                    );
-                    assert_close(&at, a, b, tol);
+            // Selective recomputation (the MLP's GELU output computed again in the
+            // backward) changes nothing: bit for bit, and within `tol` of the plain ops.
+            for recompute_gelu in [false, true] {
+                let opts = PairOptions {
+                    reduce_output: hooks.then(|| double.clone()),
+                    reduce_input_grad: hooks.then(|| double.clone()),
+                    backend,
+                    recompute_gelu,
+                };
+                let kept = PairOptions {
+                    recompute_gelu: false,
+                    ..opts.clone()
+                };
+                for biases in [true, false] {
+                    let got = value_and_grads(&vals, shapes, dtype, biases, &g, &*fused(&opts));
+                    let want = value_and_grads(&vals, shapes, dtype, biases, &g, &*plain(&opts));
+                    let same = value_and_grads(&vals, shapes, dtype, biases, &g, &*fused(&kept));
+                    assert_eq!(got.len(), want.len());
+                    for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                        let at = format!(
+                            "{what} ({backend}): output {i} {dtype:?} hooks {hooks} biases {biases} recompute {recompute_gelu}"
+                        );
+                        assert_close(&at, a, b, tol);
+                        assert_close(&at, a, &same[i], 0.0);
+                    }
                 }
             }
         }

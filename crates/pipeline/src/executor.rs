@@ -114,13 +114,19 @@ pub struct Executor<'a> {
     comm: &'a dyn Communicator,
     stages: BTreeMap<u32, &'a dyn Stage>,
     epoch: Instant,
+    recompute: bool,
 }
 
 /// What a forward pass leaves for its backward pass.
-struct Stashed {
-    input: Option<Var>,
-    /// The stage output, or the loss on the last stage.
-    output: Tensor,
+enum Stashed {
+    /// The autograd graph.
+    Graph {
+        input: Option<Var>,
+        /// The stage output, or the loss on the last stage.
+        output: Tensor,
+    },
+    /// Under recomputation: the input of every segment, without a graph.
+    Inputs(Vec<Tensor>),
 }
 
 impl<'a> Executor<'a> {
@@ -174,7 +180,18 @@ impl<'a> Executor<'a> {
             comm,
             stages,
             epoch: Instant::now(),
+            recompute: false,
         })
+    }
+
+    /// Activation recomputation: a forward keeps only the input of each of the stage's
+    /// segments ([`Stage::num_segments`]), without their graphs; a backward runs the
+    /// segments again, last first, each with autograd just before its own backward. The
+    /// same kernels run on the same inputs, so gradients are those without it, for one
+    /// more forward per backward.
+    pub fn with_recompute(mut self, on: bool) -> Self {
+        self.recompute = on;
+        self
     }
 
     /// Measures trace times from `epoch` (share one across ranks for one timeline).
@@ -274,22 +291,47 @@ impl<'a> Executor<'a> {
                             }
                             .into());
                         };
-                        let v = Var::from_tensor(&x)?;
-                        (v.as_tensor().clone(), Some(v))
+                        if self.recompute {
+                            (x, None)
+                        } else {
+                            let v = Var::from_tensor(&x)?;
+                            (v.as_tensor().clone(), Some(v))
+                        }
                     };
-                    let out = stage.forward(&x)?;
-                    let output = if s == last {
+                    let (out, stashed) = match self.recompute {
+                        false => {
+                            let out = stage.forward(&x)?;
+                            let output = out.clone();
+                            (out, Stashed::Graph { input, output })
+                        }
+                        true => {
+                            let mut inputs = Vec::with_capacity(stage.num_segments());
+                            let mut h = x;
+                            for i in 0..stage.num_segments() {
+                                let next = stage.forward_segment(i, &h)?.detach();
+                                inputs.push(std::mem::replace(&mut h, next));
+                            }
+                            (h, Stashed::Inputs(inputs))
+                        }
+                    };
+                    let stashed = if s == last {
                         let loss = (mb.loss)(&out, m as usize)?;
                         losses.push((
                             m,
                             loss.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?,
                         ));
-                        loss
+                        match stashed {
+                            Stashed::Graph { input, .. } => Stashed::Graph {
+                                input,
+                                output: loss,
+                            },
+                            inputs => inputs,
+                        }
                     } else {
                         self.hand_off(&mut acts, &mut outbox, s + 1, m, out.detach(), false);
-                        out
+                        stashed
                     };
-                    stash.insert(key, Stashed { input, output });
+                    stash.insert(key, stashed);
                     let h = held.get_mut(&s).expect("stage of this rank");
                     *h += 1;
                     let peak = stats
@@ -308,35 +350,55 @@ impl<'a> Executor<'a> {
                         }
                         .into());
                     };
-                    let root = if s == last {
-                        st.output.affine(mb.loss_scale, 0.0)?
-                    } else {
-                        let Some(g) = grads_in.remove(&key) else {
-                            return Err(PipelineError::MissingGradient {
-                                rank: r,
-                                action: *a,
+                    let g = match s == last {
+                        true => None,
+                        false => match grads_in.remove(&key) {
+                            Some(g) => Some(g),
+                            None => {
+                                return Err(PipelineError::MissingGradient {
+                                    rank: r,
+                                    action: *a,
+                                }
+                                .into())
                             }
-                            .into());
-                        };
-                        st.output.mul(&g)?.sum_all()?
+                        },
                     };
-                    let grads = root.backward()?;
-                    if let Some(input) = &st.input {
-                        let Some(gi) = grads.get(input.as_tensor()) else {
-                            return Err(PipelineError::InputUnused {
-                                rank: r,
-                                action: *a,
+                    let unused = || -> candle_core::Error {
+                        PipelineError::InputUnused {
+                            rank: r,
+                            action: *a,
+                        }
+                        .into()
+                    };
+                    let (gi, pg) = match st {
+                        Stashed::Graph { input, output } => {
+                            let grads = backward(&output, g.as_ref(), mb.loss_scale)?;
+                            let gi = match &input {
+                                Some(v) => Some(grads.get(v.as_tensor()).ok_or_else(unused)?),
+                                None => None,
                             }
-                            .into());
-                        };
-                        self.hand_off(&mut grads_in, &mut outbox, s - 1, m, gi.clone(), true);
+                            .cloned();
+                            let pg: Vec<Option<Tensor>> = stage
+                                .params()
+                                .iter()
+                                .map(|p| grads.get(p.as_tensor()).cloned())
+                                .collect();
+                            (gi, pg)
+                        }
+                        Stashed::Inputs(inputs) => {
+                            let loss = |out: &Tensor| (mb.loss)(out, m as usize);
+                            let loss = (s == last).then_some(&loss as &LossFn);
+                            let (gi, pg) = recompute(stage, inputs, g, loss, mb.loss_scale)?;
+                            let gi = match s {
+                                0 => None,
+                                _ => Some(gi.ok_or_else(unused)?),
+                            };
+                            (gi, pg)
+                        }
+                    };
+                    if let Some(gi) = gi {
+                        self.hand_off(&mut grads_in, &mut outbox, s - 1, m, gi, true);
                     }
-                    let pg: Vec<Option<Tensor>> = stage
-                        .params()
-                        .iter()
-                        .map(|p| grads.get(p.as_tensor()).cloned())
-                        .collect();
-                    drop(st);
                     if a.op == Op::B {
                         add_into(acc.get_mut(&s).expect("stage of this rank"), pg)?;
                         *held.get_mut(&s).expect("stage of this rank") -= 1;
@@ -450,6 +512,71 @@ impl<'a> Executor<'a> {
             outbox.insert((from, m, is_grad), t);
         }
     }
+}
+
+/// Back-propagates a stashed `output`: `Σ output ⊙ g` for a stage's output and its
+/// upstream gradient `g`, or `output · loss_scale` for a loss.
+fn backward(
+    output: &Tensor,
+    g: Option<&Tensor>,
+    loss_scale: f64,
+) -> Result<candle_core::backprop::GradStore> {
+    let root = match g {
+        Some(g) => output.mul(g)?.sum_all()?,
+        None => output.affine(loss_scale, 0.0)?,
+    };
+    root.backward()
+}
+
+/// The last stage's loss of its output.
+type LossFn<'a> = dyn Fn(&Tensor) -> Result<Tensor> + 'a;
+
+/// The backward of a recomputed stage: its segments run again from their stashed
+/// `inputs`, last first, each with autograd just before its backward, so that only one
+/// segment's graph is alive at a time. `g` is the gradient of the stage's output, or
+/// `None` on the last stage, whose `loss` scores the last segment's output. Returns the
+/// gradient of the stage's input (when it is a float tensor) and of every parameter.
+fn recompute(
+    stage: &dyn Stage,
+    inputs: Vec<Tensor>,
+    mut g: Option<Tensor>,
+    loss: Option<&LossFn>,
+    loss_scale: f64,
+) -> Result<(Option<Tensor>, Vec<Option<Tensor>>)> {
+    let mut pg: Vec<Option<Tensor>> = vec![None; stage.params().len()];
+    let n = inputs.len();
+    for (i, x) in inputs.into_iter().enumerate().rev() {
+        // A float input becomes a variable, to read its gradient.
+        let input = match x.dtype().is_float() {
+            true => Some(Var::from_tensor(&x)?),
+            false => None,
+        };
+        let x = input.as_ref().map_or(x, |v| v.as_tensor().clone());
+        // The recomputed activations are activations, in the backward's memory.
+        let activations = switchyard_mem::scope(switchyard_mem::Category::Activations);
+        let mut out = stage.forward_segment(i, &x)?;
+        if i + 1 == n {
+            if let Some(loss) = loss {
+                out = loss(&out)?;
+            }
+        }
+        drop(activations);
+        let grads = backward(&out, g.as_ref(), loss_scale)?;
+        drop(out);
+        add_into(
+            &mut pg,
+            stage
+                .params()
+                .iter()
+                .map(|p| grads.get(p.as_tensor()).cloned())
+                .collect(),
+        )?;
+        g = input.and_then(|v| grads.get(v.as_tensor()).cloned());
+        if i > 0 && g.is_none() {
+            candle_core::bail!("recomputation: segment {i} does not use its input");
+        }
+    }
+    Ok((g, pg))
 }
 
 fn add_into(acc: &mut [Option<Tensor>], new: Vec<Option<Tensor>>) -> Result<()> {

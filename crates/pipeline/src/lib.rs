@@ -24,6 +24,10 @@
 //!   backward in one autograd pass (candle cannot compute input gradients alone), so the
 //!   schedule's order is kept but `W` costs almost nothing. The activation count still
 //!   runs until `W`, as the simulator counts it.
+//! * With activation recomputation ([`Executor::with_recompute`]), `F` keeps only the
+//!   input of each of the stage's segments ([`Stage::forward_segment`]) and drops the
+//!   graph; `B` runs the segments again, last first, each with autograd just before its
+//!   own backward, so one segment's activations are alive at a time.
 //! * `SF`/`RF`/`SB`/`RB`: point-to-point messages over the pipeline communicator, tagged
 //!   with [`switchyard_schedule::tag`].
 //!

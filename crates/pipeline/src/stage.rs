@@ -12,6 +12,21 @@ pub trait Stage: Send + Sync {
     fn forward(&self, x: &Tensor) -> Result<Tensor>;
     /// The parameters to collect gradients for.
     fn params(&self) -> &[Var];
+    /// How many segments [`Stage::forward_segment`] splits the forward into: the units
+    /// of activation recomputation ([`crate::Executor::with_recompute`]), typically one
+    /// per transformer block. 1 (the default): the whole stage is one segment.
+    fn num_segments(&self) -> usize {
+        1
+    }
+    /// Segment `i` of the forward, so that `forward(x)` equals
+    /// `forward_segment(n − 1, … forward_segment(0, x))` with `n` = [`Stage::num_segments`],
+    /// bit for bit. The default, for one segment, is [`Stage::forward`].
+    fn forward_segment(&self, i: usize, x: &Tensor) -> Result<Tensor> {
+        match i {
+            0 => self.forward(x),
+            _ => candle_core::bail!("this stage has one segment, asked for segment {i}"),
+        }
+    }
     /// Called by [`crate::Executor::run`] before a step's first action. A stage may
     /// derive tensors from its parameters here once for all of the step's microbatches
     /// (e.g. weights fused with their biases), instead of once per microbatch.

@@ -38,6 +38,27 @@ fn stage(s: u32) -> Result<ModuleStage<impl candle_core::Module + Send + Sync>> 
     ))
 }
 
+/// [`stage`] in two segments (the product, then `tanh`), for recomputation.
+struct Segmented(Vec<Var>);
+
+impl Stage for Segmented {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        x.matmul(self.0[0].as_tensor())?.tanh()
+    }
+    fn params(&self) -> &[Var] {
+        &self.0
+    }
+    fn num_segments(&self) -> usize {
+        2
+    }
+    fn forward_segment(&self, i: usize, x: &Tensor) -> Result<Tensor> {
+        match i {
+            0 => x.matmul(self.0[0].as_tensor()),
+            _ => x.tanh(),
+        }
+    }
+}
+
 fn loss(out: &Tensor, m: usize) -> Result<Tensor> {
     (out - target(m)?)?.sqr()?.mean_all()
 }
@@ -75,16 +96,32 @@ type RankOut = (
 );
 
 fn run(program: &Program) -> Vec<RankOut> {
+    run_with(program, false)
+}
+
+/// [`run`], with activation recomputation over two-segment stages when `recompute`.
+fn run_with(program: &Program, recompute: bool) -> Vec<RankOut> {
     let m = program.num_microbatches as usize;
     local::launch(program.num_ranks(), |comm| {
         let mine = program.stages_of_rank(comm.rank() as u32);
         let modules = mine.iter().map(|&s| stage(s)).collect::<Result<Vec<_>>>()?;
-        let stages: Vec<(u32, &dyn Stage)> = mine
+        let segmented = mine
             .iter()
-            .copied()
-            .zip(modules.iter().map(|s| s as &dyn Stage))
-            .collect();
-        let exec = Executor::new(program, &*comm, stages)?;
+            .map(|&s| Ok(Segmented(vec![Var::from_tensor(&weight(s)?)?])))
+            .collect::<Result<Vec<_>>>()?;
+        let stages: Vec<(u32, &dyn Stage)> = match recompute {
+            false => mine
+                .iter()
+                .copied()
+                .zip(modules.iter().map(|s| s as &dyn Stage))
+                .collect(),
+            true => mine
+                .iter()
+                .copied()
+                .zip(segmented.iter().map(|s| s as &dyn Stage))
+                .collect(),
+        };
+        let exec = Executor::new(program, &*comm, stages)?.with_recompute(recompute);
         let inputs = (0..m).map(input).collect::<Result<Vec<_>>>()?;
         let out = exec.run(&Microbatches {
             inputs,
@@ -109,8 +146,12 @@ fn run(program: &Program) -> Vec<RankOut> {
 }
 
 fn check(program: &Program) {
+    check_with(program, false);
+}
+
+fn check_with(program: &Program, recompute: bool) {
     let (want, want_loss) = serial(program.num_stages, program.num_microbatches as usize).unwrap();
-    let outs = run(program);
+    let outs = run_with(program, recompute);
     let mut seen = 0;
     let mut losses = Vec::new();
     for (grads, l, _, (traced, listed)) in &outs {
@@ -154,6 +195,58 @@ fn every_schedule_matches_serial() {
         let program = generate(kind, p, m).unwrap();
         check(&program);
     }
+}
+
+#[test]
+fn recomputation_over_segments_matches_serial_under_every_schedule() {
+    for (kind, p, m) in [
+        (ScheduleKind::GPipe, 2, 3),
+        (ScheduleKind::OneFOneB, 3, 5),
+        (ScheduleKind::OneFOneB, 1, 2),
+        (ScheduleKind::Interleaved { virtual_stages: 2 }, 2, 4),
+        (ScheduleKind::ZbH1, 3, 6),
+    ] {
+        check_with(&generate(kind, p, m).unwrap(), true);
+    }
+}
+
+/// A segment that ignores its input would leave the previous segments without a
+/// gradient: refused, not silently treated as the loss.
+#[test]
+fn a_segment_that_ignores_its_input_is_refused_under_recomputation() {
+    struct Ignoring(Vec<Var>);
+    impl Stage for Ignoring {
+        fn forward(&self, _: &Tensor) -> Result<Tensor> {
+            self.0[0].as_tensor().sum_all()
+        }
+        fn params(&self) -> &[Var] {
+            &self.0
+        }
+        fn num_segments(&self) -> usize {
+            2
+        }
+        fn forward_segment(&self, i: usize, x: &Tensor) -> Result<Tensor> {
+            match i {
+                0 => x.sum_all(),
+                _ => self.0[0].as_tensor().sum_all(),
+            }
+        }
+    }
+    let program = generate(ScheduleKind::OneFOneB, 1, 1).unwrap();
+    let e = local::launch(1, |comm| {
+        let st = Ignoring(vec![Var::from_tensor(&weight(0)?)?]);
+        let exec =
+            Executor::new(&program, &*comm, vec![(0, &st as &dyn Stage)])?.with_recompute(true);
+        exec.run(&Microbatches {
+            inputs: vec![input(0)?],
+            loss: &|out: &Tensor, _| Ok(out.clone()),
+            loss_scale: 1.0,
+        })
+        .map(|_| ())
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("segment 1 does not use its input"), "{e}");
 }
 
 #[test]

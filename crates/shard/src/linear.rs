@@ -85,6 +85,7 @@ pub(crate) fn pair_options(comm: &Arc<dyn Communicator>, backend: OpsBackend) ->
         reduce_output: hook.clone(),
         reduce_input_grad: hook,
         backend,
+        recompute_gelu: false,
     }
 }
 

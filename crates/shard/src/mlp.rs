@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use candle_core::{Module, Result, Tensor};
 use switchyard_comm::Communicator;
-use switchyard_ops::mlp_with;
+use switchyard_ops::{mlp_with, PairOptions};
 
 use crate::attention::LayerInit;
 use crate::error::ShardError;
@@ -31,6 +31,9 @@ pub struct ParallelMlp {
     /// The weights fused with their biases between [`ParallelMlp::begin_step`] and
     /// [`ParallelMlp::end_step`].
     fused: StepCache,
+    /// [`Builder::selective_recompute`]: the GELU's output is computed again in the
+    /// backward instead of kept.
+    recompute_gelu: bool,
 }
 
 impl ParallelMlp {
@@ -62,6 +65,7 @@ impl ParallelMlp {
             c_fc,
             c_proj,
             fused: StepCache::default(),
+            recompute_gelu: vb.selective_recompute(),
         })
     }
 
@@ -69,7 +73,10 @@ impl ParallelMlp {
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         // One fused op: both products, GELU, both biases, `f` on the input gradient and
         // `g` on the output; the `[.., hidden/p]` activation never leaves it.
-        let opts = pair_options(self.c_fc.comm(), self.c_fc.ops());
+        let opts = PairOptions {
+            recompute_gelu: self.recompute_gelu,
+            ..pair_options(self.c_fc.comm(), self.c_fc.ops())
+        };
         let w = self.fused.weights(&self.c_fc, &self.c_proj)?;
         mlp_with(x, &w, &opts)
             .map_err(|e| e.context(format!("{} (tensor-parallel MLP)", self.c_fc.name())))

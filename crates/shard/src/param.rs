@@ -92,6 +92,8 @@ struct StoreInner {
     source: ParamSource,
     params: Mutex<Vec<Param>>,
     used: Mutex<HashSet<String>>,
+    /// [`ParamStore::set_selective_recompute`].
+    selective_recompute: std::sync::atomic::AtomicBool,
 }
 
 /// The registry of the parameters created on this rank, in creation order.
@@ -140,6 +142,7 @@ impl ParamStore {
             source,
             params: Mutex::new(Vec::new()),
             used: Mutex::new(HashSet::new()),
+            selective_recompute: Default::default(),
         })))
     }
 
@@ -160,7 +163,20 @@ impl ParamStore {
             prefix: String::new(),
             shared: false,
             ops: OpsBackend::Fused,
+            selective_recompute: self
+                .0
+                .selective_recompute
+                .load(std::sync::atomic::Ordering::Relaxed),
         }
+    }
+
+    /// Selective activation recomputation for the layers built from now on through this
+    /// store's builders ([`Builder::selective_recompute`]): the trainer's choice, set
+    /// before it asks the model to build its stages, so that model code stays free of it.
+    pub fn set_selective_recompute(&self, on: bool) {
+        self.0
+            .selective_recompute
+            .store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Every parameter created so far, in creation order.
@@ -349,6 +365,8 @@ pub struct Builder {
     shared: bool,
     /// [`Builder::with_ops`]: the ops backend of the layers built through this builder.
     ops: OpsBackend,
+    /// [`Builder::selective_recompute`].
+    selective_recompute: bool,
 }
 
 impl Builder {
@@ -359,6 +377,7 @@ impl Builder {
             prefix: self.path(s.as_ref()),
             shared: self.shared,
             ops: self.ops,
+            selective_recompute: self.selective_recompute,
         }
     }
 
@@ -390,6 +409,7 @@ impl Builder {
             prefix: self.prefix.clone(),
             shared: true,
             ops: self.ops,
+            selective_recompute: self.selective_recompute,
         }
     }
 
@@ -407,6 +427,14 @@ impl Builder {
     /// The ops backend of the layers built through this builder ([`Builder::with_ops`]).
     pub fn ops(&self) -> OpsBackend {
         self.ops
+    }
+
+    /// Whether the layers built through this builder recompute the cheap parts of their
+    /// activations in the backward instead of keeping them (the MLP's GELU output; see
+    /// `switchyard_ops::PairOptions::recompute_gelu`). Set on the store
+    /// ([`ParamStore::set_selective_recompute`]).
+    pub fn selective_recompute(&self) -> bool {
+        self.selective_recompute
     }
 
     /// The current prefix (`""` at the root).

@@ -66,8 +66,8 @@ pub mod weights;
 mod worker;
 
 pub use config::{
-    memory_info, thread_limit, Bytes, MemoryInfo, TrainConfig, BYTES_PER_PARAM, MAX_SCHEDULE_PAIRS,
-    MAX_TIMEOUT_SECS,
+    memory_info, thread_limit, Bytes, MemoryInfo, Recompute, TrainConfig, BYTES_PER_PARAM,
+    MAX_SCHEDULE_PAIRS, MAX_TIMEOUT_SECS,
 };
 pub use device::DeviceSpec;
 pub use error::TrainError;

@@ -29,7 +29,7 @@ use crate::checkpoint::RankShard;
 use crate::data::{Dataset, Sampler};
 use crate::error::{fail, Result};
 use crate::optim::{sum_sq, AdamW, LrSchedule};
-use crate::TrainConfig;
+use crate::{Recompute, TrainConfig};
 
 /// A model's stage as the executor sees it: its own parameters and the tied ones it
 /// uses without having created them.
@@ -41,6 +41,12 @@ struct Wrapped<'a, S> {
 impl<S: ModelStage> Stage for Wrapped<'_, S> {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         self.stage.forward(x)
+    }
+    fn num_segments(&self) -> usize {
+        self.stage.num_segments()
+    }
+    fn forward_segment(&self, i: usize, x: &Tensor) -> candle_core::Result<Tensor> {
+        self.stage.forward_segment(i, x)
     }
     fn params(&self) -> &[Var] {
         self.params
@@ -121,6 +127,7 @@ impl<'a, M: Model> Worker<'a, M> {
         // parameters.
         let category = switchyard_mem::scope(Category::Parameters);
         let store = ParamStore::for_group(&*mesh.tp, DType::F32, source)?;
+        store.set_selective_recompute(cfg.recompute == Recompute::Selective);
         let mut stages = Vec::new();
         for s in pipe.stages_of_rank(mesh.coord.pp as u32) {
             let stage = cfg
@@ -279,8 +286,9 @@ impl<'a, M: Model> Worker<'a, M> {
             .zip(&wrapped)
             .map(|((s, _), w)| (*s, w as &dyn Stage))
             .collect();
-        let exec =
-            Executor::with_checked(&self.program, &*self.mesh.pp, refs)?.with_epoch(self.epoch);
+        let exec = Executor::with_checked(&self.program, &*self.mesh.pp, refs)?
+            .with_epoch(self.epoch)
+            .with_recompute(self.cfg.recompute == Recompute::Full);
         let out = exec.run(&Microbatches {
             inputs,
             loss: &loss,

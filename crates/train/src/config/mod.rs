@@ -11,10 +11,12 @@ use crate::error::{err, TrainError};
 use crate::optim::{AdamWConfig, Decay};
 
 mod machine;
+mod savers;
 mod schedule;
 
 use machine::{human_bytes, THREAD_LIMIT_WHY};
 pub use machine::{memory_info, thread_limit, Bytes, MemoryInfo, BYTES_PER_PARAM};
+pub use savers::Recompute;
 
 /// Everything a run needs, for a model whose config is `M` (a [`Model`]).
 /// `switchyard train` builds it from flags and `--config`.
@@ -87,6 +89,8 @@ pub struct TrainConfig<M> {
     /// machine's available memory.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_memory_per_worker: Option<Bytes>,
+    /// Activation recomputation ([`Recompute`]).
+    pub recompute: Recompute,
 }
 
 impl<M: Default> Default for TrainConfig<M> {
@@ -124,6 +128,7 @@ impl<M: Default> Default for TrainConfig<M> {
             eval_batches: 8,
             device: DeviceSpec::Cpu,
             max_memory_per_worker: None,
+            recompute: Recompute::None,
         }
     }
 }

@@ -43,7 +43,7 @@ use switchyard_schedule::{simulate, Costs, Op};
 use switchyard_schedule::ScheduleChoice;
 
 use crate::error::{err, TrainError};
-use crate::{Bytes, TrainConfig};
+use crate::{Bytes, Recompute, TrainConfig};
 
 /// Bytes of bookkeeping per tensor besides its data (measured).
 pub const BYTES_PER_TENSOR: usize = 200;
@@ -160,17 +160,47 @@ pub fn estimate_memory<M: Model>(cfg: &TrainConfig<M>) -> Result<Vec<RankEstimat
         .filter(|t| matches!(t.action.op, Op::B | Op::I))
         .map(|t| ((t.action.stage, t.action.microbatch), t.end))
         .collect();
-    let per_stage = |f: &Footprint, a: &Activations| StageBytes {
-        grads: ELEM * f.params,
-        // The executor keeps a stage's input as a variable of its own (a copy) to take
-        // its gradient.
-        saved: (ELEM as f64
-            * (tokens * (a.per_token + a.input_per_token) + a.per_microbatch as f64))
-            as usize
-            + BYTES_PER_TENSOR * a.tensors,
-        backward: (ELEM as f64 * tokens * a.backward_per_token) as usize,
-        largest: ELEM * f.largest,
-        input: (ELEM as f64 * tokens * a.input_per_token) as usize,
+    let bytes = |elems: f64| (ELEM as f64 * elems) as usize;
+    let per_stage = |f: &Footprint, a: &Activations| {
+        let (saved, backward) = match cfg.recompute {
+            // The executor keeps a stage's input as a variable of its own (a copy) to
+            // take its gradient.
+            Recompute::None | Recompute::Selective => {
+                let kept = match cfg.recompute {
+                    Recompute::Selective => a.per_token - a.selective_per_token,
+                    _ => a.per_token,
+                };
+                (
+                    bytes(tokens * (kept + a.input_per_token) + a.per_microbatch as f64)
+                        + BYTES_PER_TENSOR * a.tensors,
+                    bytes(tokens * a.backward_per_token),
+                )
+            }
+            // Each segment's input (token ids count as one element); the backward runs
+            // one segment again at a time, with a copy of its input as a variable.
+            Recompute::Full => {
+                let first = a.input_per_token.max(1.0);
+                let rest = (a.segments - 1) as f64 * a.segment_input_per_token;
+                let one = a.per_microbatch as f64 / a.segments as f64;
+                (
+                    bytes(tokens * (first + rest)) + BYTES_PER_TENSOR * a.segments,
+                    bytes(
+                        tokens
+                            * (a.segment_per_token
+                                + a.segment_input_per_token
+                                + a.backward_per_token)
+                            + one,
+                    ) + BYTES_PER_TENSOR * a.tensors.div_ceil(a.segments),
+                )
+            }
+        };
+        StageBytes {
+            grads: ELEM * f.params,
+            saved,
+            backward,
+            largest: ELEM * f.largest,
+            input: bytes(tokens * a.input_per_token),
+        }
     };
     let mut out = Vec::with_capacity(cfg.pp);
     for (r, actions) in program.ranks.iter().enumerate() {
@@ -429,8 +459,7 @@ fn refusal<M: Model>(
         Config,
         "the model does not fit: the estimated peak of pipeline rank {} (dp {} × pp {} × tp {}, \
          {} with {} microbatches) is {}, more than {budget_name}\n  at the peak: {}{fits}\n  \
-         (activation recomputation, ZeRO and bf16 would shrink it further; they are not built \
-         yet)",
+         (ZeRO and bf16 would shrink it further; they are not built yet)",
         worst.pp,
         cfg.dp,
         cfg.pp,
@@ -448,7 +477,7 @@ fn worst_peak(ranks: &[RankEstimate]) -> u64 {
 
 /// Layouts that hold less per worker than `cfg`: a longer pipeline, more tensor
 /// parallelism, 1F1B instead of GPipe (fewer microbatches in flight), smaller
-/// microbatches. Only valid ones.
+/// microbatches, activation recomputation. Only valid ones.
 fn variants<M: Model>(cfg: &TrainConfig<M>) -> Vec<(String, TrainConfig<M>)> {
     let mut out = Vec::new();
     let mut pp = cfg.clone();
@@ -465,6 +494,13 @@ fn variants<M: Model>(cfg: &TrainConfig<M>) -> Vec<(String, TrainConfig<M>)> {
     let mut m = cfg.clone();
     m.microbatches *= 2;
     out.push((format!("--microbatches {}", m.microbatches), m));
+    for r in [Recompute::Selective, Recompute::Full] {
+        if cfg.recompute < r {
+            let mut c = cfg.clone();
+            c.recompute = r;
+            out.push((format!("--recompute {r}"), c));
+        }
+    }
     let mut all = cfg.clone();
     all.pp *= 2;
     all.tp *= 2;

@@ -5,7 +5,8 @@
 //! with why.
 //!
 //! A layout's text form is `dp2 pp2 tp1 1f1b m8` (`interleaved v2` for two virtual
-//! stages): [`Layout`] parses and prints it.
+//! stages; `recompute-full` or `recompute-selective` for activation recomputation):
+//! [`Layout`] parses and prints it.
 
 use std::fmt;
 use std::str::FromStr;
@@ -15,7 +16,7 @@ use switchyard_models::Model;
 use switchyard_schedule::{ScheduleChoice, ScheduleKind};
 
 use super::memory::{estimate_memory, RankEstimate};
-use crate::TrainConfig;
+use crate::{Recompute, TrainConfig};
 
 /// Where a layout puts the workers.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -25,6 +26,7 @@ pub struct Layout {
     pub tp: usize,
     pub schedule: ScheduleKind,
     pub microbatches: usize,
+    pub recompute: Recompute,
 }
 
 impl Layout {
@@ -45,6 +47,7 @@ impl Layout {
             tp: cfg.tp,
             schedule,
             microbatches: cfg.microbatches,
+            recompute: cfg.recompute,
         })
     }
 
@@ -60,6 +63,7 @@ impl Layout {
             _ => 1,
         };
         c.schedule = ScheduleChoice::Named(self.schedule);
+        c.recompute = self.recompute;
         c
     }
 
@@ -77,7 +81,11 @@ impl fmt::Display for Layout {
             }
             ref k => write!(f, "{k}")?,
         }
-        write!(f, " m{}", self.microbatches)
+        write!(f, " m{}", self.microbatches)?;
+        match self.recompute {
+            Recompute::None => Ok(()),
+            r => write!(f, " recompute-{r}"),
+        }
     }
 }
 
@@ -87,8 +95,17 @@ impl FromStr for Layout {
     /// axes are 1; `interleaved` takes `vN` (default 2).
     fn from_str(s: &str) -> Result<Layout, String> {
         let (mut dp, mut pp, mut tp, mut m, mut v) = (None, None, None, None, None);
-        let mut schedule = None;
+        let (mut schedule, mut recompute) = (None, None);
         for word in s.split_whitespace() {
+            if let Some(mode) = word.strip_prefix("recompute-") {
+                let r = mode
+                    .parse::<Recompute>()
+                    .map_err(|e| format!("`{s}`: {e}"))?;
+                if recompute.replace(r).is_some() {
+                    return Err(format!("`{s}`: two recompute modes"));
+                }
+                continue;
+            }
             let num = |prefix: &str| -> Option<Result<usize, String>> {
                 let rest = word.strip_prefix(prefix)?;
                 if rest.is_empty() || !rest.bytes().all(|b| b.is_ascii_digit()) {
@@ -123,8 +140,8 @@ impl FromStr for Layout {
                 None => {
                     let kind: ScheduleKind = word.parse().map_err(|_| {
                         format!(
-                            "`{s}`: `{word}` is neither an axis (dpN, ppN, tpN, mN, vN) nor a \
-                             schedule (gpipe, 1f1b, interleaved, zb-h1)"
+                            "`{s}`: `{word}` is neither an axis (dpN, ppN, tpN, mN, vN), a \
+                             schedule (gpipe, 1f1b, interleaved, zb-h1) nor recompute-MODE"
                         )
                     })?;
                     if schedule.replace(kind).is_some() {
@@ -146,6 +163,7 @@ impl FromStr for Layout {
             tp: tp.unwrap_or(1),
             schedule,
             microbatches: m.unwrap_or(pp),
+            recompute: recompute.unwrap_or_default(),
         })
     }
 }
@@ -193,8 +211,8 @@ impl Candidate {
 
 /// Every layout of exactly `workers` workers for `base`'s model and batch: each
 /// factorisation `dp × pp × tp`, each generated schedule (interleaved with 2 virtual
-/// stages), and microbatches of 1 to 64 sequences that divide a replica's batch, at least
-/// `pp` of them.
+/// stages), microbatches of 1 to 64 sequences that divide a replica's batch, at least
+/// `pp` of them, and each recomputation mode.
 pub fn layouts<M: Model>(base: &TrainConfig<M>, workers: usize) -> Vec<Layout> {
     let mut out = Vec::new();
     for dp in divisors(workers) {
@@ -215,13 +233,14 @@ pub fn layouts<M: Model>(base: &TrainConfig<M>, workers: usize) -> Vec<Layout> {
                 for size in divisors(per_replica).into_iter().filter(|&b| b <= 64) {
                     let m = per_replica / size;
                     if m >= pp {
-                        out.push(Layout {
+                        out.extend(Recompute::ALL.map(|recompute| Layout {
                             dp,
                             pp,
                             tp,
                             schedule,
                             microbatches: m,
-                        });
+                            recompute,
+                        }));
                     }
                 }
             }
@@ -319,13 +338,23 @@ mod tests {
             "dp2 pp2 tp1 1f1b m8",
             "dp1 pp4 tp2 interleaved v2 m8",
             "dp4 pp1 tp1 1f1b m1",
+            "dp1 pp2 tp2 zb-h1 m8 recompute-full",
+            "dp2 pp1 tp1 1f1b m2 recompute-selective",
         ] {
             let l: Layout = text.parse().unwrap();
             assert_eq!(l.to_string(), text);
         }
         let l: Layout = "pp2 gpipe".parse().unwrap();
         assert_eq!((l.dp, l.pp, l.tp, l.microbatches), (1, 2, 1, 2));
-        for bad in ["dp2 dp2", "pp2 gpipe 1f1b", "dp0", "fast", "pp2 1f1b v2"] {
+        for bad in [
+            "dp2 dp2",
+            "pp2 gpipe 1f1b",
+            "dp0",
+            "fast",
+            "pp2 1f1b v2",
+            "recompute-some",
+            "recompute-full recompute-none",
+        ] {
             assert!(bad.parse::<Layout>().is_err(), "{bad}");
         }
         let c = l.apply(&base());

@@ -66,7 +66,7 @@ use switchyard_models::{plan_stages, Model, StagePlan};
 use switchyard_schedule::{simulate_by_stage, Costs};
 
 use crate::error::{err, TrainError};
-use crate::TrainConfig;
+use crate::{Recompute, TrainConfig};
 
 /// A link's cost: `α + bytes / β`.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -276,7 +276,11 @@ pub fn predict_step_time<M: Model>(
     let stage_costs: Vec<Costs> = stages
         .iter()
         .map(|&(c, f, b)| {
-            let backward = (1.0 - phi) * c + b;
+            let mut backward = (1.0 - phi) * c + b;
+            // Full recomputation runs the forward (with its collectives) again first.
+            if cfg.recompute == Recompute::Full {
+                backward += phi * c + f;
+            }
             Costs {
                 f: phi * c + f,
                 b: backward,

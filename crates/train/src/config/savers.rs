@@ -1,0 +1,73 @@
+//! The memory savers a run can switch on: activation recomputation.
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{err, TrainError};
+
+/// Activation recomputation (`--recompute`): what a forward pass keeps for its backward.
+///
+/// * `none`: everything the ops save (the fastest);
+/// * `selective`: the fused ops keep the inputs of their products but not what is cheap
+///   to compute again from them (the GELU's output, the LayerNorms' outputs), which
+///   their backward recomputes (Korthikanti et al. 2022);
+/// * `full`: each transformer block keeps only its input; the executor runs the block's
+///   forward again, with autograd, just before its backward (one more forward a step).
+///
+/// Gradients are the same in every mode: the same kernels run on the same inputs.
+/// Ordered by how much they save.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Recompute {
+    #[default]
+    None,
+    Selective,
+    Full,
+}
+
+impl Recompute {
+    pub const ALL: [Recompute; 3] = [Recompute::None, Recompute::Selective, Recompute::Full];
+
+    /// The flag value and TOML string.
+    pub fn name(self) -> &'static str {
+        match self {
+            Recompute::None => "none",
+            Recompute::Selective => "selective",
+            Recompute::Full => "full",
+        }
+    }
+}
+
+impl std::fmt::Display for Recompute {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for Recompute {
+    type Err = TrainError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Recompute::ALL
+            .into_iter()
+            .find(|r| r.name() == s.trim())
+            .ok_or_else(|| {
+                err!(
+                    Config,
+                    "unknown recompute mode `{s}`: expected none, selective or full"
+                )
+            })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_round_trip_and_unknown_ones_are_refused() {
+        for r in Recompute::ALL {
+            assert_eq!(r.to_string().parse::<Recompute>().unwrap(), r);
+        }
+        let e = "some".parse::<Recompute>().unwrap_err().to_string();
+        assert!(e.contains("`some`") && e.contains("selective"), "{e}");
+    }
+}
