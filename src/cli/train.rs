@@ -42,6 +42,10 @@ pub struct TrainArgs {
     /// Layers per stage: even, balanced, or counts such as 3,2
     #[arg(long)]
     pub split: Option<SplitSpec>,
+    /// ZeRO stage over the data-parallel replicas: 0 (off), 1 (AdamW's moments sharded:
+    /// gradients reduce-scattered, parameters all-gathered) or 2 (gradients sharded too)
+    #[arg(long, value_name = "0|1|2")]
+    pub zero: Option<u8>,
     /// The whole layout in one: `auto` (the fastest that `switchyard plan` finds fitting
     /// --workers and the memory budget) or its text form, such as "dp2 pp2 tp1 1f1b m8"
     #[arg(long, value_name = "auto|LAYOUT",
@@ -336,7 +340,7 @@ pub fn resolve(
             $(if let Some(v) = a.$flag.clone() { c.$($field).+ = v; })*
         };
     }
-    set!(dp => dp, pp => pp, tp => tp, schedule => schedule, microbatches => microbatches,
+    set!(dp => dp, pp => pp, tp => tp, zero => zero, schedule => schedule, microbatches => microbatches,
         virtual_stages => virtual_stages, split => split, steps => steps, batch => batch,
         seq_len => seq_len, d_model => model.d_model, layers => model.n_layer,
         heads => model.n_head, lr => lr, min_lr => min_lr, warmup => warmup,

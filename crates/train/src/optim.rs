@@ -268,15 +268,16 @@ impl StepScalars {
 /// The element-wise AdamW update of `p` (any slice of a parameter) with its gradient `g`
 /// and moments `m`, `v`: the one definition both the full optimizer and the ZeRO shards
 /// ([`crate::zero`]) run, so that a sharded step is the same arithmetic element by element.
-pub(crate) fn update_slice<T: candle_core::WithDType>(
+pub(crate) fn update_slice<T: candle_core::WithDType, G: candle_core::WithDType>(
     p: &mut [T],
-    g: &[f64],
+    g: &[G],
     m: &mut [f64],
     v: &mut [f64],
     s: &StepScalars,
 ) {
     let c = s.c;
-    for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
+    for (((p, g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
+        let g = g.to_f64();
         let mut x = p.to_f64();
         x -= s.lr * s.wd * x;
         *m = c.beta1 * *m + (1.0 - c.beta1) * g;

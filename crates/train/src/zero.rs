@@ -32,8 +32,9 @@
 
 use std::ops::Range;
 
-use candle_core::{DType, Device, Tensor, Var};
+use candle_core::{CpuStorage, DType, Device, Storage, Tensor, Var};
 use switchyard_comm::{Communicator, ReduceOp};
+use switchyard_mem::Category;
 
 use crate::error::{fail, Result};
 use crate::optim::{sum_sq, update_slice, AdamWConfig, StepScalars};
@@ -255,45 +256,51 @@ impl ShardedAdamW {
         self.t += 1;
         let dpn = self.layout.dp;
         for (k, (b, g)) in self.layout.buckets.iter().zip(shards).enumerate() {
-            let g = g.to_dtype(DType::F64)?.to_vec1::<f64>()?;
+            // The shard of the parameters is what the all-gather sends: a communication
+            // buffer (the measured optimizer state is the moments alone).
+            let comm = switchyard_mem::scope(Category::Comm);
             let mut p = vec![0f32; b.shard];
-            for pc in &b.pieces {
-                let var = &self.params[pc.param];
-                if var.dtype() != DType::F32 {
-                    fail!(
-                        Config,
-                        "ZeRO AdamW step: parameter {} is {:?}; only f32 parameters are sharded",
-                        pc.param,
-                        var.dtype()
+            drop(comm);
+            with_f32(g, |g| {
+                for pc in &b.pieces {
+                    let var = &self.params[pc.param];
+                    if var.dtype() != DType::F32 {
+                        fail!(
+                            Config,
+                            "ZeRO AdamW step: parameter {} is {:?}; only f32 parameters are \
+                             sharded",
+                            pc.param,
+                            var.dtype()
+                        );
+                    }
+                    let r = pc.at..pc.at + pc.len;
+                    read_f32(var.as_tensor(), pc.from, &mut p[r.clone()])?;
+                    let wd = match self.decay[pc.param] {
+                        true => self.config.weight_decay,
+                        false => 0.0,
+                    };
+                    let s = StepScalars::new(self.config, self.t, lr, wd);
+                    update_slice(
+                        &mut p[r.clone()],
+                        &g[r.clone()],
+                        &mut self.m[k][r.clone()],
+                        &mut self.v[k][r],
+                        &s,
                     );
                 }
-                let own = var.as_tensor().flatten_all()?.narrow(0, pc.from, pc.len)?;
-                p[pc.at..pc.at + pc.len].copy_from_slice(&own.to_vec1::<f32>()?);
-                let wd = match self.decay[pc.param] {
-                    true => self.config.weight_decay,
-                    false => 0.0,
-                };
-                let s = StepScalars::new(self.config, self.t, lr, wd);
-                let r = pc.at..pc.at + pc.len;
-                update_slice(
-                    &mut p[r.clone()],
-                    &g[r.clone()],
-                    &mut self.m[k][r.clone()],
-                    &mut self.v[k][r],
-                    &s,
-                );
-            }
+                Ok(())
+            })?;
+            let comm = switchyard_mem::scope(Category::Comm);
             let full = dp.all_gather(&Tensor::from_vec(p, b.shard, &Device::Cpu)?, 0)?;
             debug_assert_eq!(full.elem_count(), b.padded(dpn));
             for (i, &o) in b.params.clone().zip(&b.offsets) {
                 let var = &self.params[i];
                 let n = var.elem_count();
-                let new = full
-                    .narrow(0, o, n)?
-                    .reshape(var.shape())?
-                    .to_device(var.device())?;
-                var.set(&new)?;
+                let new = full.narrow(0, o, n)?.reshape(var.shape())?;
+                var.set(&new.to_device(var.device())?)?;
             }
+            drop(full);
+            drop(comm);
         }
         Ok(())
     }
@@ -340,6 +347,41 @@ impl ShardedAdamW {
         self.t = t;
         Ok(())
     }
+}
+
+/// Runs `f` on the f32 values of `t` (a 1-D gradient shard): in place when it is a
+/// contiguous f32 CPU tensor, else on a copy.
+fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> Result<R>) -> Result<R> {
+    {
+        let (s, l) = t.storage_and_layout();
+        if let (Storage::Cpu(CpuStorage::F32(v)), true) = (&*s, l.is_contiguous()) {
+            let (a, b) = (l.start_offset(), l.start_offset() + l.shape().elem_count());
+            return f(&v[a..b]);
+        }
+    }
+    let copy = t
+        .to_dtype(DType::F32)?
+        .to_device(&Device::Cpu)?
+        .to_vec1::<f32>()?;
+    f(&copy)
+}
+
+/// Copies elements `from..from + out.len()` of the flattened f32 tensor `t` into `out`.
+fn read_f32(t: &Tensor, from: usize, out: &mut [f32]) -> Result<()> {
+    {
+        let (s, l) = t.storage_and_layout();
+        if let (Storage::Cpu(CpuStorage::F32(v)), true) = (&*s, l.is_contiguous()) {
+            let a = l.start_offset() + from;
+            out.copy_from_slice(&v[a..a + out.len()]);
+            return Ok(());
+        }
+    }
+    let piece = t
+        .flatten_all()?
+        .narrow(0, from, out.len())?
+        .to_vec1::<f32>()?;
+    out.copy_from_slice(&piece);
+    Ok(())
 }
 
 #[cfg(test)]
