@@ -317,6 +317,40 @@ fn a_zero_checkpoint_resumes_on_any_layout_and_stage() {
 }
 
 #[test]
+fn a_zero_checkpoint_holds_the_moments_of_an_unsharded_run() {
+    let mut c = tiny(2, 1, 2, "1f1b");
+    c.batch = 8;
+    c.microbatches = 2;
+    c.steps = 3;
+    let state = |zero: u8| {
+        let dir = scratch(&format!("moments-{zero}"));
+        run_with_checkpoints(&with_zero(&c, zero), &dir, 0, None);
+        let ck =
+            switchyard_train::checkpoint::Checkpoint::open(&dir.join("step-00000003")).unwrap();
+        assert_eq!(ck.manifest.optimizer_t, 3);
+        let s = ck.load_full().unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+        s
+    };
+    let want = state(0);
+    for zero in [1, 2] {
+        let got = state(zero);
+        assert_eq!(got.m.len(), want.m.len());
+        for (name, w) in &want.m {
+            for (what, g, w) in [
+                ("m", &got.m[name], w),
+                ("v", &got.v[name], &want.v[name]),
+                ("value", &got.params[name], &want.params[name]),
+            ] {
+                assert_eq!(g.dims(), w.dims(), "zero {zero}: {name} {what}");
+                let e = rel_err(g, w);
+                assert!(e <= 1e-6, "zero {zero}: {name} {what} differs by {e:.2e}");
+            }
+        }
+    }
+}
+
+#[test]
 fn zero_on_the_same_layout_resumes_bit_exact() {
     let mut c = tiny(2, 1, 1, "1f1b");
     c.batch = 8;
@@ -327,4 +361,24 @@ fn zero_on_the_same_layout_resumes_bit_exact() {
     let resumed = run_with_checkpoints(&c, &dir, 0, Some(Resume::Step(4)));
     assert_eq!(resumed, full[4..]);
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_non_finite_gradient_stops_every_rank_under_zero() {
+    for zero in [1, 2] {
+        let mut cfg = tiny(2, 2, 1, "1f1b");
+        cfg.zero = zero;
+        cfg.lr = 1e30;
+        cfg.min_lr = 1e30;
+        cfg.warmup = 0;
+        cfg.grad_clip = 0.0;
+        cfg.steps = 5;
+        let e = train(&cfg, &Corpus::bundled(), &TrainOptions::default())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("step 1: non-finite values first appeared on rank"),
+            "zero {zero}: {e}"
+        );
+    }
 }
