@@ -508,7 +508,9 @@ fn zero_three_is_refused_and_zero_two_trains() {
     assert!(e.contains("ZeRO stage 3 is not implemented yet"), "{e}");
     let e = fails(&strs(&train(&["--zero", "5"])));
     assert!(e.contains("--zero 5: there is no ZeRO stage 5"), "{e}");
-    ok(&strs(&train(&[
+    let t = train(&[
         "--zero", "2", "--dp", "2", "--pp", "1", "--tp", "1", "--batch", "8",
-    ])));
+    ]);
+    let out = ok(&strs(&t));
+    assert!(out.contains("(dp 2 × pp 1 × tp 1, 1f1b, ZeRO 2)"), "{out}");
 }
