@@ -32,7 +32,7 @@ use switchyard_shard::{gather_full_tensor, Param, ParamSource, ParamStore, Shard
 
 use crate::checkpoint::RankShard;
 use crate::data::{Dataset, Sampler};
-use crate::error::{fail, Result};
+use crate::error::{fail, Context, Result};
 use crate::optim::{sum_sq, AdamW, AdamWConfig, LrSchedule};
 use crate::zero::{self, ShardedAdamW};
 use crate::TrainConfig;
@@ -437,12 +437,11 @@ impl<'a, M: Model> Worker<'a, M> {
             Optimizer::Sharded(o) => {
                 self.sync_tied(&mut grads)?;
                 let _gradients = switchyard_mem::scope(Category::Gradients);
-                let s = zero::reduce_scatter(
-                    &o.layout,
-                    &*self.mesh.dp,
-                    &mut grads,
-                    self.cfg.zero == 1,
-                )?;
+                let s =
+                    zero::reduce_scatter(&o.layout, &*self.mesh.dp, &mut grads, self.cfg.zero == 1)
+                        .with_context(|| {
+                            format!("ZeRO {}: the gradients' reduce-scatter", self.cfg.zero)
+                        })?;
                 // Every replica adds the squares of its own shard: together, each
                 // element once.
                 let (sq, bad) = zero::shard_norm(&o.layout, &s, &self.owned)?;
@@ -517,7 +516,14 @@ impl<'a, M: Model> Worker<'a, M> {
             let _optimizer = switchyard_mem::scope(Category::Optimizer);
             match (&mut self.opt, &shards) {
                 (Optimizer::Full(o), _) => o.step(&grads, lr)?,
-                (Optimizer::Sharded(o), Some(shards)) => o.step(&*self.mesh.dp, shards, lr)?,
+                (Optimizer::Sharded(o), Some(shards)) => {
+                    o.step(&*self.mesh.dp, shards, lr).with_context(|| {
+                        format!(
+                            "ZeRO {}: the sharded AdamW step and the parameters' all-gather",
+                            self.cfg.zero
+                        )
+                    })?
+                }
                 (Optimizer::Sharded(_), None) => unreachable!("scattered above"),
             }
         }
@@ -622,7 +628,10 @@ impl<'a, M: Model> Worker<'a, M> {
     /// over the data-parallel group), and the files are the same as without ZeRO.
     pub fn checkpoint_shards(&self) -> Result<Vec<RankShard>> {
         let gathered = match &self.opt {
-            Optimizer::Sharded(o) => Some(o.full_moments(&*self.mesh.dp)?),
+            Optimizer::Sharded(o) => Some(
+                o.full_moments(&*self.mesh.dp)
+                    .context("ZeRO: all-gathering the moments for a checkpoint")?,
+            ),
             Optimizer::Full(_) => None,
         };
         if self.mesh.coord.dp != 0 {
@@ -688,7 +697,9 @@ impl<'a, M: Model> Worker<'a, M> {
                 }
                 o.t = t;
             }
-            Optimizer::Sharded(o) => o.restore(&moments, t)?,
+            Optimizer::Sharded(o) => o
+                .restore(&moments, t)
+                .context("ZeRO: cutting the checkpoint's moments into this replica's shards")?,
         }
         Ok(())
     }
