@@ -497,7 +497,7 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
     opts.stop = signals.as_ref().map(|s| std::sync::Arc::clone(&s.stop));
     if rank0 {
         eprintln!(
-            "switchyard: GPT {} layers × d {}, vocabulary {} ({:.2}M parameters) on {} ({} tokens{}); {} workers: dp {} × pp {} × tp {}, {} with {} microbatches",
+            "switchyard: GPT {} layers × d {}, vocabulary {} ({:.2}M parameters) on {} ({} tokens{}); {} workers: dp {} × pp {} × tp {}, {} with {} microbatches{}",
             cfg.model.n_layer,
             cfg.model.d_model,
             cfg.model.vocab_size,
@@ -513,7 +513,11 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
             cfg.pp,
             cfg.tp,
             cfg.schedule,
-            cfg.microbatches
+            cfg.microbatches,
+            match cfg.zero {
+                0 => String::new(),
+                z => format!(", ZeRO stage {z}"),
+            }
         );
     }
     let report = match a.backend {

@@ -576,6 +576,23 @@ mod tests {
     }
 
     #[test]
+    fn zero_shrinks_the_optimizer_and_is_offered_when_a_replicated_run_does_not_fit() {
+        let mut c = gpt();
+        (c.dp, c.pp, c.tp, c.batch) = (2, 1, 1, 8);
+        let full = estimate_memory(&c).unwrap();
+        let opt = Category::Optimizer as usize;
+        for zero in [1, 2] {
+            let z = TrainConfig { zero, ..c.clone() };
+            let r = estimate_memory(&z).unwrap();
+            assert_eq!(r[0].at_peak[opt], OPT_PER_PARAM * r[0].params.div_ceil(2));
+            assert!(r[0].at_peak[opt] * 2 < full[0].at_peak[opt]);
+        }
+        c.max_memory_per_worker = Some(Bytes(worst_peak(&full) - 1));
+        let e = check_fits(&c, 2, None).unwrap_err().to_string();
+        assert!(e.contains("--zero 2 (2 workers)"), "{e}");
+    }
+
+    #[test]
     fn a_model_without_activations_is_refused_only_under_a_budget() {
         let mut c = TrainConfig {
             model: MlpConfig::default(),
