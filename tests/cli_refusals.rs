@@ -501,3 +501,16 @@ fn devices_without_a_backend_are_refused_and_the_composed_ops_train() {
         "{e}"
     );
 }
+
+#[test]
+fn zero_three_is_refused_and_zero_two_trains() {
+    let e = fails(&strs(&train(&["--zero", "3"])));
+    assert!(e.contains("ZeRO stage 3 is not implemented yet"), "{e}");
+    let e = fails(&strs(&train(&["--zero", "5"])));
+    assert!(e.contains("--zero 5: there is no ZeRO stage 5"), "{e}");
+    let t = train(&[
+        "--zero", "2", "--dp", "2", "--pp", "1", "--tp", "1", "--batch", "8",
+    ]);
+    let out = ok(&strs(&t));
+    assert!(out.contains("(dp 2 × pp 1 × tp 1, 1f1b, ZeRO 2)"), "{out}");
+}

@@ -156,8 +156,9 @@ pub fn run(a: PlanArgs) -> anyhow::Result<()> {
     };
     // MFU: the model's training FLOPs per token at the predicted tokens/s, over the
     // peak of the cluster's devices or of this machine's cores (all workers share it).
+    // (A cluster's is per device: times the layout's workers, below.)
     let peak_flops = match (&cluster, &measured) {
-        (Some(c), _) => Some(c.peak_flops * workers as f64),
+        (Some(c), _) => Some(c.peak_flops),
         (None, Some(_)) => Some(
             switchyard::bench::fma_peak_gflops()
                 * 1e9
@@ -168,7 +169,13 @@ pub fn run(a: PlanArgs) -> anyhow::Result<()> {
     };
     let costs = base.model.costs(base.seq_len);
     let flops_per_token = costs.embed + costs.blocks.iter().sum::<f64>() + costs.head;
-    let mfu = |c: &Candidate| Some(flops_per_token * tokens_per_s(&base, c)? / peak_flops?);
+    let devices = |c: &Candidate| match cluster {
+        Some(_) => c.layout.workers() as f64,
+        None => 1.0,
+    };
+    let mfu = |c: &Candidate| {
+        Some(flops_per_token * tokens_per_s(&base, c)? / (peak_flops? * devices(c)))
+    };
     if let Some(text) = &a.explain {
         let layout: Layout = text.parse().map_err(|e| anyhow!("--explain: {e}"))?;
         let c = candidate(&base, &layout, budget, &time);
@@ -263,15 +270,22 @@ fn print_table(
             " (no time model: --calibrate to rank by speed), least memory first"
         }
     );
-    println!(
-        "  {:<32} {:>12} {:<12} {:>10} {:>10} {:>6}  verdict",
-        "layout", "peak/worker", "dominant", "step", "tokens/s", "MFU"
-    );
     let shown = if top == 0 {
         all.len()
     } else {
         top.min(all.len())
     };
+    // As wide as the longest layout shown.
+    let w = all[..shown]
+        .iter()
+        .map(|c| c.layout.to_string().chars().count())
+        .max()
+        .unwrap_or(0)
+        .max(24);
+    println!(
+        "  {:<w$} {:>12} {:<12} {:>10} {:>10} {:>6}  verdict",
+        "layout", "peak/worker", "dominant", "step", "tokens/s", "MFU"
+    );
     for c in &all[..shown] {
         let verdict = match &c.verdict {
             Verdict::Fits => "fits".to_string(),
@@ -288,7 +302,7 @@ fn print_table(
             ),
         };
         println!(
-            "  {:<32} {:>12} {:<12} {:>10} {:>10} {:>6}  {verdict}",
+            "  {:<w$} {:>12} {:<12} {:>10} {:>10} {:>6}  {verdict}",
             c.layout.to_string(),
             peak,
             dominant,

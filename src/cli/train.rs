@@ -42,6 +42,10 @@ pub struct TrainArgs {
     /// Layers per stage: even, balanced, or counts such as 3,2
     #[arg(long)]
     pub split: Option<SplitSpec>,
+    /// ZeRO stage over the data-parallel replicas: 0 (off), 1 (AdamW's moments sharded:
+    /// gradients reduce-scattered, parameters all-gathered) or 2 (gradients sharded too)
+    #[arg(long, value_name = "0|1|2")]
+    pub zero: Option<u8>,
     /// The whole layout in one: `auto` (the fastest that `switchyard plan` finds fitting
     /// --workers and the memory budget) or its text form, such as "dp2 pp2 tp1 1f1b m8"
     /// (add "recompute-full" or "recompute-selective" for activation recomputation)
@@ -343,7 +347,7 @@ pub fn resolve(
             $(if let Some(v) = a.$flag.clone() { c.$($field).+ = v; })*
         };
     }
-    set!(dp => dp, pp => pp, tp => tp, schedule => schedule, microbatches => microbatches,
+    set!(dp => dp, pp => pp, tp => tp, zero => zero, schedule => schedule, microbatches => microbatches,
         virtual_stages => virtual_stages, split => split, steps => steps, batch => batch,
         seq_len => seq_len, d_model => model.d_model, layers => model.n_layer,
         heads => model.n_head, lr => lr, min_lr => min_lr, warmup => warmup,
@@ -501,7 +505,7 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
     opts.stop = signals.as_ref().map(|s| std::sync::Arc::clone(&s.stop));
     if rank0 {
         eprintln!(
-            "switchyard: GPT {} layers × d {}, vocabulary {} ({:.2}M parameters) on {} ({} tokens{}); {} workers: dp {} × pp {} × tp {}, {} with {} microbatches",
+            "switchyard: GPT {} layers × d {}, vocabulary {} ({:.2}M parameters) on {} ({} tokens{}); {} workers: dp {} × pp {} × tp {}, {} with {} microbatches{}",
             cfg.model.n_layer,
             cfg.model.d_model,
             cfg.model.vocab_size,
@@ -517,7 +521,11 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
             cfg.pp,
             cfg.tp,
             cfg.schedule,
-            cfg.microbatches
+            cfg.microbatches,
+            match cfg.zero {
+                0 => String::new(),
+                z => format!(", ZeRO stage {z}"),
+            }
         );
     }
     let report = match a.backend {

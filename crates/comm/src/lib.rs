@@ -68,7 +68,7 @@ pub mod mpi;
 mod reduce;
 pub mod threads;
 
-pub use counting::{Counting, Counts};
+pub use counting::{Counting, Counts, Traffic};
 pub use error::{CommError, Peer, Result};
 pub use mesh::{Mesh, MeshCoord, MeshShape};
 

@@ -158,8 +158,13 @@ fn set_tag(t: Tag) {
 }
 
 fn charge(tag: Tag, bytes: isize) {
+    // The untracked ledger (slot 0) is never read: not counting it spares every thread
+    // outside a rank (a planner's pool, say) the contended atomics.
+    if tag.slot() == 0 {
+        return;
+    }
     let slot = &TABLE[tag.slot()];
-    if tag.slot() != 0 && slot.generation.load(Relaxed) & 0xffff != tag.generation() {
+    if slot.generation.load(Relaxed) & 0xffff != tag.generation() {
         return; // memory of an earlier owner of the slot
     }
     slot.charge(tag.category(), bytes);

@@ -64,6 +64,7 @@ pub mod testing;
 mod trainer;
 pub mod weights;
 mod worker;
+pub mod zero;
 
 pub use config::{
     memory_info, thread_limit, Bytes, MemoryInfo, Recompute, TrainConfig, BYTES_PER_PARAM,
@@ -73,4 +74,4 @@ pub use device::DeviceSpec;
 pub use error::TrainError;
 pub use report::{peak_rss, Coords, PipelineRankReport, RankMemory, StepRecord, TrainReport};
 pub use trainer::{train, train_rank, Resume, TrainOptions};
-pub use worker::{NonFinite, StepMetrics, Worker};
+pub use worker::{NonFinite, Optimizer, StepMetrics, Worker};

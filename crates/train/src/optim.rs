@@ -229,17 +229,63 @@ impl Update<'_> {
     fn apply<T: candle_core::WithDType>(&self, p: &mut [T]) {
         let mut mom = self.mom.borrow_mut();
         let Moments { m, v } = &mut **mom;
-        let c = self.c;
-        for (((p, &g), m), v) in p.iter_mut().zip(self.g).zip(m.iter_mut()).zip(v.iter_mut()) {
-            let mut x = p.to_f64();
-            x -= self.lr * self.wd * x;
-            *m = c.beta1 * *m + (1.0 - c.beta1) * g;
-            *v = c.beta2 * *v + (1.0 - c.beta2) * g * g;
-            let mhat = *m / self.bc1;
-            let vhat = *v / self.bc2;
-            x -= self.lr * mhat / (vhat.sqrt() + c.eps);
-            *p = T::from_f64(x);
+        let step = StepScalars {
+            lr: self.lr,
+            wd: self.wd,
+            c: self.c,
+            bc1: self.bc1,
+            bc2: self.bc2,
+        };
+        update_slice(p, self.g, m, v, &step);
+    }
+}
+
+/// The scalars of one AdamW step of one parameter: the learning rate, its weight decay
+/// (0 for a parameter that does not decay), the hyper-parameters and the bias
+/// corrections `1 − β₁ᵗ`, `1 − β₂ᵗ`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct StepScalars {
+    pub lr: f64,
+    pub wd: f64,
+    pub c: AdamWConfig,
+    pub bc1: f64,
+    pub bc2: f64,
+}
+
+impl StepScalars {
+    /// The bias corrections of step `t` (counted from 1).
+    pub fn new(c: AdamWConfig, t: u64, lr: f64, wd: f64) -> StepScalars {
+        StepScalars {
+            lr,
+            wd,
+            c,
+            bc1: 1.0 - c.beta1.powi(t as i32),
+            bc2: 1.0 - c.beta2.powi(t as i32),
         }
+    }
+}
+
+/// The element-wise AdamW update of `p` (any slice of a parameter) with its gradient `g`
+/// and moments `m`, `v`: the one definition both the full optimizer and the ZeRO shards
+/// ([`crate::zero`]) run, so that a sharded step is the same arithmetic element by element.
+pub(crate) fn update_slice<T: candle_core::WithDType, G: candle_core::WithDType>(
+    p: &mut [T],
+    g: &[G],
+    m: &mut [f64],
+    v: &mut [f64],
+    s: &StepScalars,
+) {
+    let c = s.c;
+    for (((p, g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
+        let g = g.to_f64();
+        let mut x = p.to_f64();
+        x -= s.lr * s.wd * x;
+        *m = c.beta1 * *m + (1.0 - c.beta1) * g;
+        *v = c.beta2 * *v + (1.0 - c.beta2) * g * g;
+        let mhat = *m / s.bc1;
+        let vhat = *v / s.bc2;
+        x -= s.lr * mhat / (vhat.sqrt() + c.eps);
+        *p = T::from_f64(x);
     }
 }
 

@@ -133,13 +133,17 @@ impl TrainReport {
         let mut s = String::new();
         let first = self.steps.first().map(|r| r.loss).unwrap_or(f64::NAN);
         s += &format!(
-            "trained {} steps on {} workers (dp {} × pp {} × tp {}, {}): loss {:.4} → {:.4}\n",
+            "trained {} steps on {} workers (dp {} × pp {} × tp {}, {}{}): loss {:.4} → {:.4}\n",
             self.steps.len(),
             self.world_size,
             cfg.dp,
             cfg.pp,
             cfg.tp,
             cfg.schedule,
+            match cfg.zero {
+                0 => String::new(),
+                z => format!(", ZeRO {z}"),
+            },
             first,
             self.final_loss()
         );

@@ -475,9 +475,10 @@ fn save<M: Model>(worker: &Worker<M>, dir: &Path, done: usize, ctx: &RankContext
     world.barrier()?;
     let c = worker.mesh.coord;
     let entry_path = |pp: usize, tp: usize| staging.join(format!("pp{pp}-tp{tp}.entry.json"));
+    // Every replica takes part: under ZeRO the moments are gathered from all of them.
+    let shards = worker.checkpoint_shards()?;
     if c.dp == 0 {
-        let entry =
-            checkpoint::write_rank_file(&staging, c.pp, c.tp, &worker.checkpoint_shards()?)?;
+        let entry = checkpoint::write_rank_file(&staging, c.pp, c.tp, &shards)?;
         checkpoint::write_atomic(&entry_path(c.pp, c.tp), &serde_json::to_vec(&entry)?)?;
     }
     world.barrier()?;
@@ -503,8 +504,8 @@ fn save<M: Model>(worker: &Worker<M>, dir: &Path, done: usize, ctx: &RankContext
             corpus: ctx.corpus_info.clone(),
             data_position: done,
             rng_seed: ctx.cfg.seed,
-            optimizer_t: worker.opt.t,
-            optimizer: worker.opt.config,
+            optimizer_t: worker.opt.t(),
+            optimizer: worker.opt.config(),
             files,
         };
         checkpoint::commit(dir, &manifest, ctx.opts.keep)?;

@@ -12,6 +12,11 @@
 //!    and non-finite flags, so every rank knows the job's loss and global norm and
 //!    stops at the same step if anything is not finite;
 //! 5. gradients are clipped by the global norm and AdamW updates this rank's shards.
+//!
+//! With ZeRO (`--zero 1|2`, [`crate::zero`]) step 3 is a reduce-scatter instead: each
+//! replica keeps its `1/dp` of every bucket, the norm adds up the replicas' shards, AdamW
+//! updates the replica's shard with the moments of that shard only, and an all-gather
+//! gives every replica the whole updated parameters.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -27,9 +32,44 @@ use switchyard_shard::{gather_full_tensor, Param, ParamSource, ParamStore, Shard
 
 use crate::checkpoint::RankShard;
 use crate::data::{Dataset, Sampler};
-use crate::error::{fail, Result};
-use crate::optim::{sum_sq, AdamW, LrSchedule};
+use crate::error::{fail, Context, Result};
+use crate::optim::{sum_sq, AdamW, AdamWConfig, LrSchedule};
+use crate::zero::{self, ShardedAdamW};
 use crate::{Recompute, TrainConfig};
+
+/// A rank's optimizer: AdamW over its whole parameters, or over its ZeRO shard of them.
+pub enum Optimizer {
+    /// `--zero 0`: every replica keeps the moments of every parameter it holds.
+    Full(AdamW),
+    /// `--zero 1|2`: the moments of this replica's `1/dp` of every bucket.
+    Sharded(ShardedAdamW),
+}
+
+impl Optimizer {
+    /// Steps taken so far.
+    pub fn t(&self) -> u64 {
+        match self {
+            Optimizer::Full(o) => o.t,
+            Optimizer::Sharded(o) => o.t,
+        }
+    }
+
+    /// AdamW's hyper-parameters.
+    pub fn config(&self) -> AdamWConfig {
+        match self {
+            Optimizer::Full(o) => o.config,
+            Optimizer::Sharded(o) => o.config,
+        }
+    }
+
+    /// Elements of moments (each of `m` and `v`) this rank keeps.
+    pub fn moment_elems(&self) -> usize {
+        match self {
+            Optimizer::Full(o) => o.moments.iter().map(|m| m.m.len()).sum(),
+            Optimizer::Sharded(o) => o.m.iter().map(Vec::len).sum(),
+        }
+    }
+}
 
 /// A model's stage as the executor sees it: its own parameters and the tied ones it
 /// uses without having created them.
@@ -104,7 +144,7 @@ pub struct Worker<'a, M: Model> {
     /// Each tied parameter this rank holds whose copies live on other pipeline ranks
     /// too: its index and the group of the ranks that hold a copy.
     tied: Vec<(usize, Arc<dyn Communicator>)>,
-    pub opt: AdamW,
+    pub opt: Optimizer,
     pub schedule: LrSchedule,
     data: &'a dyn Dataset,
     epoch: Instant,
@@ -206,7 +246,15 @@ impl<'a, M: Model> Worker<'a, M> {
         drop(category);
         let opt = {
             let _optimizer = switchyard_mem::scope(Category::Optimizer);
-            AdamW::new(params.iter().map(|p| p.var.clone()).collect(), cfg.adamw())
+            let vars: Vec<Var> = params.iter().map(|p| p.var.clone()).collect();
+            match cfg.zero {
+                0 => Optimizer::Full(AdamW::new(vars, cfg.adamw())),
+                _ => {
+                    let sizes: Vec<usize> = vars.iter().map(|v| v.elem_count()).collect();
+                    let layout = zero::Layout::new(&sizes, cfg.bucket_mib, cfg.dp, mesh.coord.dp);
+                    Optimizer::Sharded(ShardedAdamW::new(vars, cfg.adamw(), layout))
+                }
+            }
         };
         let schedule = LrSchedule {
             max_lr: cfg.lr,
@@ -310,8 +358,20 @@ impl<'a, M: Model> Worker<'a, M> {
         Ok((grads, losses, out.stats))
     }
 
-    /// Sums the tied copies' gradients and averages over data-parallel replicas.
+    /// Sums the tied copies' gradients and averages over data-parallel replicas (with an
+    /// all-reduce, whatever `--zero` says: the full gradients, for parity tests).
     pub fn sync_grads(&self, grads: &mut [Option<Tensor>]) -> Result<()> {
+        self.sync_tied(grads)?;
+        if self.cfg.dp > 1 {
+            let _gradients = switchyard_mem::scope(Category::Gradients);
+            self.all_reduce_buckets(grads)?;
+        }
+        Ok(())
+    }
+
+    /// Gives every parameter a gradient (zeros where this rank computed none) and sums
+    /// the tied copies' gradients.
+    fn sync_tied(&self, grads: &mut [Option<Tensor>]) -> Result<()> {
         let _gradients = switchyard_mem::scope(Category::Gradients);
         for (g, p) in grads.iter_mut().zip(&self.params) {
             if g.is_none() {
@@ -322,25 +382,17 @@ impl<'a, M: Model> Worker<'a, M> {
             let g = grads[*i].as_ref().expect("filled above");
             grads[*i] = Some(group.all_reduce(g, ReduceOp::Sum)?);
         }
-        if self.cfg.dp > 1 {
-            self.all_reduce_buckets(grads)?;
-        }
         Ok(())
     }
 
     /// Data-parallel all-reduce, a bucket of about `bucket_mib` at a time.
     fn all_reduce_buckets(&self, grads: &mut [Option<Tensor>]) -> Result<()> {
-        let limit = ((self.cfg.bucket_mib * 1024.0 * 1024.0) / 4.0).max(1.0) as usize;
-        let mut start = 0;
-        while start < grads.len() {
-            let mut end = start;
-            let mut elems = 0;
-            while end < grads.len()
-                && (end == start || elems + grads[end].as_ref().unwrap().elem_count() <= limit)
-            {
-                elems += grads[end].as_ref().unwrap().elem_count();
-                end += 1;
-            }
+        let sizes: Vec<usize> = grads
+            .iter()
+            .map(|g| g.as_ref().map_or(0, |g| g.elem_count()))
+            .collect();
+        for bucket in zero::buckets(&sizes, self.cfg.bucket_mib) {
+            let (start, end) = (bucket.start, bucket.end);
             let flat: Vec<Tensor> = grads[start..end]
                 .iter()
                 .map(|g| g.as_ref().unwrap().flatten_all())
@@ -364,7 +416,6 @@ impl<'a, M: Model> Worker<'a, M> {
                 );
                 off += n;
             }
-            start = end;
         }
         Ok(())
     }
@@ -373,18 +424,39 @@ impl<'a, M: Model> Worker<'a, M> {
     pub fn step(&mut self, step: usize) -> Result<std::result::Result<StepMetrics, NonFinite>> {
         let t0 = Instant::now();
         let (mut grads, losses, exec) = self.compute_grads(step)?;
-        self.sync_grads(&mut grads)?;
-        let mut sq_owned = 0.0;
-        let mut bad_grad = None;
-        for ((g, p), owned) in grads.iter().zip(&self.params).zip(&self.owned) {
-            let s = sum_sq(g.as_ref().expect("synced"))?;
-            if !s.is_finite() && bad_grad.is_none() {
-                bad_grad = Some(p.name.clone());
+        // ZeRO: this replica's shard of every bucket, summed over the replicas.
+        let mut shards = None;
+        let (sq_owned, bad_grad) = match &self.opt {
+            Optimizer::Full(_) => {
+                self.sync_grads(&mut grads)?;
+                let mut sq_owned = 0.0;
+                let mut bad_grad = None;
+                for ((g, p), owned) in grads.iter().zip(&self.params).zip(&self.owned) {
+                    let s = sum_sq(g.as_ref().expect("synced"))?;
+                    if !s.is_finite() && bad_grad.is_none() {
+                        bad_grad = Some(p.name.clone());
+                    }
+                    if *owned && self.mesh.coord.dp == 0 {
+                        sq_owned += s;
+                    }
+                }
+                (sq_owned, bad_grad)
             }
-            if *owned && self.mesh.coord.dp == 0 {
-                sq_owned += s;
+            Optimizer::Sharded(o) => {
+                self.sync_tied(&mut grads)?;
+                let _gradients = switchyard_mem::scope(Category::Gradients);
+                let s =
+                    zero::reduce_scatter(&o.layout, &*self.mesh.dp, &mut grads, self.cfg.zero == 1)
+                        .with_context(|| {
+                            format!("ZeRO {}: the gradients' reduce-scatter", self.cfg.zero)
+                        })?;
+                // Every replica adds the squares of its own shard: together, each
+                // element once.
+                let (sq, bad) = zero::shard_norm(&o.layout, &s, &self.owned)?;
+                shards = Some(s);
+                (sq, bad.map(|i| self.params[i].name.clone()))
             }
-        }
+        };
         let reports_loss = self.mesh.coord.tp == 0 && !losses.is_empty();
         let loss_sum: f64 = if reports_loss {
             losses.iter().sum()
@@ -434,15 +506,37 @@ impl<'a, M: Model> Worker<'a, M> {
         if clip > 0.0 && grad_norm > clip {
             let scale = clip / (grad_norm + 1e-6);
             let _gradients = switchyard_mem::scope(Category::Gradients);
-            for g in grads.iter_mut().flatten() {
-                *g = g.affine(scale, 0.0)?;
+            match shards.as_mut() {
+                Some(shards) => {
+                    for g in shards.iter_mut() {
+                        *g = g.affine(scale, 0.0)?;
+                    }
+                }
+                None => {
+                    for g in grads.iter_mut().flatten() {
+                        *g = g.affine(scale, 0.0)?;
+                    }
+                }
             }
         }
         let lr = self.schedule.at(step);
         {
             let _optimizer = switchyard_mem::scope(Category::Optimizer);
-            self.opt.step(&grads, lr)?;
+            match (&mut self.opt, &shards) {
+                (Optimizer::Full(o), _) => o.step(&grads, lr)?,
+                (Optimizer::Sharded(o), Some(shards)) => {
+                    o.step(&*self.mesh.dp, shards, lr).with_context(|| {
+                        format!(
+                            "ZeRO {}: the sharded AdamW step and the parameters' all-gather",
+                            self.cfg.zero
+                        )
+                    })?
+                }
+                (Optimizer::Sharded(_), None) => unreachable!("scattered above"),
+            }
         }
+        // Stage 1 kept the full gradients until here.
+        drop(grads);
         Ok(Ok(StepMetrics {
             step,
             loss,
@@ -537,17 +631,31 @@ impl<'a, M: Model> Worker<'a, M> {
 
     /// This rank's part of a checkpoint: the shards it owns (none outside data-parallel
     /// replica 0; a replicated parameter on tensor rank 0 only; a tied table only on the
-    /// stage that holds the embeddings) with their Adam moments.
+    /// stage that holds the embeddings) with their Adam moments, whole: under ZeRO they
+    /// are all-gathered from the replicas, so every replica must call this (a collective
+    /// over the data-parallel group), and the files are the same as without ZeRO.
     pub fn checkpoint_shards(&self) -> Result<Vec<RankShard>> {
+        let gathered = match &self.opt {
+            Optimizer::Sharded(o) => Some(
+                o.full_moments(&*self.mesh.dp)
+                    .context("ZeRO: all-gathering the moments for a checkpoint")?,
+            ),
+            Optimizer::Full(_) => None,
+        };
         if self.mesh.coord.dp != 0 {
             return Ok(Vec::new());
         }
         let (tp_rank, tp_size) = (self.mesh.coord.tp, self.cfg.tp);
         let mut out = Vec::new();
-        for ((p, owned), mom) in self.params.iter().zip(&self.owned).zip(&self.opt.moments) {
+        for (i, (p, owned)) in self.params.iter().zip(&self.owned).enumerate() {
             if !owned {
                 continue;
             }
+            let (m, v) = match (&self.opt, &gathered) {
+                (Optimizer::Full(o), _) => (&o.moments[i].m, &o.moments[i].v),
+                (Optimizer::Sharded(_), Some(g)) => (&g[i].0, &g[i].1),
+                (Optimizer::Sharded(_), None) => unreachable!("gathered above"),
+            };
             let shape = p.var.shape().clone();
             out.push(RankShard {
                 name: p.name.clone(),
@@ -556,8 +664,8 @@ impl<'a, M: Model> Worker<'a, M> {
                 tp_rank,
                 tp_size,
                 value: p.var.as_tensor().copy()?,
-                m: Tensor::from_vec(mom.m.clone(), &shape, &Device::Cpu)?,
-                v: Tensor::from_vec(mom.v.clone(), &shape, &Device::Cpu)?,
+                m: Tensor::from_vec(m.clone(), &shape, &Device::Cpu)?,
+                v: Tensor::from_vec(v.clone(), &shape, &Device::Cpu)?,
             });
         }
         Ok(out)
@@ -572,7 +680,8 @@ impl<'a, M: Model> Worker<'a, M> {
         t: u64,
     ) -> Result<()> {
         let (rank, n) = (self.mesh.coord.tp, self.cfg.tp);
-        for (p, mom) in self.params.iter().zip(self.opt.moments.iter_mut()) {
+        let mut moments = Vec::with_capacity(self.params.len());
+        for p in &self.params {
             let get = |map: &HashMap<String, Tensor>| -> Result<Vec<f64>> {
                 let Some(full) = map.get(&p.name) else {
                     fail!(
@@ -587,10 +696,19 @@ impl<'a, M: Model> Worker<'a, M> {
                     .to_dtype(DType::F64)?
                     .to_vec1()?)
             };
-            mom.m = get(m)?;
-            mom.v = get(v)?;
+            moments.push((get(m)?, get(v)?));
         }
-        self.opt.t = t;
+        match &mut self.opt {
+            Optimizer::Full(o) => {
+                for (mom, (m, v)) in o.moments.iter_mut().zip(moments) {
+                    (mom.m, mom.v) = (m, v);
+                }
+                o.t = t;
+            }
+            Optimizer::Sharded(o) => o
+                .restore(&moments, t)
+                .context("ZeRO: cutting the checkpoint's moments into this replica's shards")?,
+        }
         Ok(())
     }
 

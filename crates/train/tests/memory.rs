@@ -96,3 +96,44 @@ fn the_first_pipeline_stage_stashes_more_activations_than_the_last() {
     let act = |r: usize| m[r].bytes_by_category["activations"];
     assert!(act(0) > act(1), "stage 0 {} vs stage 1 {}", act(0), act(1));
 }
+
+/// ZeRO (issue 16 §2): the optimizer category of every rank drops to `1/dp` of the
+/// moments (`16·⌈Ψ/dp⌉` bytes, two f64 moments), whatever the stage; parameters stay
+/// whole.
+#[test]
+fn zero_shards_the_optimizer_state_over_the_replicas() {
+    for dp in [2, 4] {
+        let mut base = cfg(dp, 1, 1);
+        base.batch = 4 * dp;
+        let params = base.model.param_count();
+        let n = Model::param_shapes(&base.model).unwrap().len();
+        for zero in [0, 1, 2] {
+            let c = TrainConfig {
+                zero,
+                ..base.clone()
+            };
+            for m in memory(&c) {
+                let cat = |k: &str| m.bytes_by_category[k];
+                eprintln!(
+                    "dp {dp} zero {zero} rank {}: optimizer {} B, gradients {} B, parameters {} B, peak {} B",
+                    m.rank,
+                    cat("optimizer"),
+                    cat("gradients"),
+                    cat("parameters"),
+                    m.peak_bytes
+                );
+                about(cat("parameters"), 4 * params, n, "parameters");
+                match zero {
+                    0 => about(cat("optimizer"), 16 * params, n, "AdamW moments"),
+                    _ => about(
+                        cat("optimizer"),
+                        16 * params.div_ceil(dp),
+                        // One bucket: its two moment vectors and the layout.
+                        4,
+                        &format!("dp {dp} zero {zero}: a replica's shard of the moments"),
+                    ),
+                }
+            }
+        }
+    }
+}

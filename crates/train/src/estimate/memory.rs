@@ -28,6 +28,12 @@
 //! the sum), the clipped copy of every gradient (`4·Ψ`), or AdamW's f64 copies of the
 //! largest tensor's gradient (`16·largest`). The peak is the largest of these moments.
 //!
+//! With ZeRO (`--zero 1|2`, [`crate::zero`]) the optimizer holds `16·⌈Ψ/dp⌉`; after the
+//! pipeline the step adds the reduce-scatter (the padded bucket `B_p` and its shard),
+//! then keeps the shards `4·⌈Ψ/dp⌉` (stage 1 also the full `4·Ψ`), the clipped copy of
+//! the shards, and during the update the parameter shard and the gathered bucket
+//! (`4·(B_p/dp + B_p)`, communication buffers).
+//!
 //! Two things are measured, not derived: the bookkeeping per tensor (candle's tensor and
 //! shape headers and the store's names, about 200 bytes) and the packing buffer the
 //! matrix multiply keeps per compute thread (the L2 cache's size, once products reach
@@ -225,9 +231,15 @@ pub fn estimate_memory<M: Model>(cfg: &TrainConfig<M>) -> Result<Vec<RankEstimat
                 }
             }
         }
+        // ZeRO 1 and 2 keep the moments of 1/dp of every bucket (one vector per bucket
+        // instead of one per tensor).
+        let optimizer = match cfg.zero {
+            0 => OPT_PER_PARAM * params + BYTES_PER_TENSOR * tensors,
+            _ => OPT_PER_PARAM * params.div_ceil(cfg.dp),
+        };
         let fixed = Fixed {
             params: ELEM * params + BYTES_PER_TENSOR * tensors,
-            optimizer: OPT_PER_PARAM * params + BYTES_PER_TENSOR * tensors,
+            optimizer,
             other: ELEM * cache + scratch * threads.saturating_sub(1),
             scratch,
         };
@@ -240,11 +252,9 @@ pub fn estimate_memory<M: Model>(cfg: &TrainConfig<M>) -> Result<Vec<RankEstimat
         // Gradients this rank sent back: (bytes, until when the receiver holds them).
         let mut sent: Vec<(usize, f64)> = Vec::new();
         for (a, at) in actions.iter().zip(&timeline.ranks[r].actions) {
-            t.in_flight = sent
-                .iter()
-                .filter(|(_, until)| *until > at.start)
-                .map(|(b, _)| b)
-                .sum();
+            // The rank's actions start in order: a gradient used by then stays used.
+            sent.retain(|(_, until)| *until > at.start);
+            t.in_flight = sent.iter().map(|(b, _)| b).sum();
             let s = a.stage as usize;
             let (Some(b), Some(k)) = (bytes.get(&s), kept.get_mut(&s)) else {
                 continue;
@@ -284,16 +294,38 @@ pub fn estimate_memory<M: Model>(cfg: &TrainConfig<M>) -> Result<Vec<RankEstimat
         t.grads = ELEM * params;
         t.in_flight = 0;
         let bucket = (cfg.bucket_mib * 1024.0 * 1024.0) as usize;
-        let all_reduce = match cfg.dp > 1 {
-            true => 2 * bucket.min(ELEM * params),
-            false => 0,
-        };
-        let clip = match cfg.grad_clip > 0.0 {
-            true => ELEM * params,
-            false => 0,
-        };
-        t.observe(all_reduce.max(clip), 0);
-        t.observe(0, 2 * ELEM * 2 * largest);
+        let clips = cfg.grad_clip > 0.0;
+        match cfg.zero {
+            0 => {
+                let all_reduce = match cfg.dp > 1 {
+                    true => 2 * bucket.min(ELEM * params),
+                    false => 0,
+                };
+                let clip = if clips { ELEM * params } else { 0 };
+                t.observe(all_reduce.max(clip), 0);
+                t.observe(0, 2 * ELEM * 2 * largest);
+            }
+            zero => {
+                // The largest bucket (a tensor larger than a bucket is one alone),
+                // padded to a multiple of dp, and one replica's shard of it.
+                let dp = cfg.dp;
+                let b = (bucket / ELEM).max(largest).min(params).div_ceil(dp) * dp;
+                let shard = b / dp;
+                let shards = ELEM * params.div_ceil(dp);
+                // The reduce-scatter: the concatenated bucket and the shard it returns.
+                t.observe(ELEM * (b + shard), 0);
+                // Stage 1 keeps the full gradients to the end of the step; stage 2 only
+                // the shards.
+                t.grads = shards + if zero == 1 { ELEM * params } else { 0 };
+                // The clipped copy of the shards.
+                t.observe(if clips { shards } else { 0 }, 0);
+                // AdamW on a bucket's shard updates its parameters in a buffer the
+                // all-gather then sends; the gathered bucket (communication buffers).
+                t.comm = ELEM * (shard + b);
+                t.observe(0, 0);
+                t.comm = 0;
+            }
+        }
         out.push(t.estimate(r, params));
     }
     Ok(out)
@@ -325,6 +357,8 @@ struct Timeline {
     grads: usize,
     /// Sent gradients the receiver still holds.
     in_flight: usize,
+    /// Communication buffers (ZeRO's parameter shard and gathered bucket).
+    comm: usize,
     peak: usize,
     at_peak: [usize; 6],
 }
@@ -336,6 +370,7 @@ impl Timeline {
             acts: 0,
             grads: 0,
             in_flight: 0,
+            comm: 0,
             peak: 0,
             at_peak: [0; 6],
         }
@@ -350,7 +385,7 @@ impl Timeline {
             self.grads + grads + f.scratch + self.in_flight,
             f.optimizer + opt,
             self.acts,
-            0,
+            self.comm,
             f.other,
         ];
         let total = now.iter().sum();
@@ -459,7 +494,7 @@ fn refusal<M: Model>(
         Config,
         "the model does not fit: the estimated peak of pipeline rank {} (dp {} × pp {} × tp {}, \
          {} with {} microbatches) is {}, more than {budget_name}\n  at the peak: {}{fits}\n  \
-         (ZeRO and bf16 would shrink it further; they are not built yet)",
+         (bf16 would shrink it further; it is not built yet)",
         worst.pp,
         cfg.dp,
         cfg.pp,
@@ -490,6 +525,11 @@ fn variants<M: Model>(cfg: &TrainConfig<M>) -> Vec<(String, TrainConfig<M>)> {
         let mut s = cfg.clone();
         s.schedule = ScheduleChoice::Named(switchyard_schedule::ScheduleKind::OneFOneB);
         out.push(("--schedule 1f1b".into(), s));
+    }
+    if cfg.dp > 1 && cfg.zero < 2 {
+        let mut z = cfg.clone();
+        z.zero = 2;
+        out.push(("--zero 2".into(), z));
     }
     let mut m = cfg.clone();
     m.microbatches *= 2;
@@ -568,6 +608,23 @@ mod tests {
         check_fits(&c, 4, Some(4 * peak)).unwrap();
         let e = check_fits(&c, 4, Some(peak)).unwrap_err().to_string();
         assert!(e.contains("available memory"), "{e}");
+    }
+
+    #[test]
+    fn zero_shrinks_the_optimizer_and_is_offered_when_a_replicated_run_does_not_fit() {
+        let mut c = gpt();
+        (c.dp, c.pp, c.tp, c.batch) = (2, 1, 1, 8);
+        let full = estimate_memory(&c).unwrap();
+        let opt = Category::Optimizer as usize;
+        for zero in [1, 2] {
+            let z = TrainConfig { zero, ..c.clone() };
+            let r = estimate_memory(&z).unwrap();
+            assert_eq!(r[0].at_peak[opt], OPT_PER_PARAM * r[0].params.div_ceil(2));
+            assert!(r[0].at_peak[opt] * 2 < full[0].at_peak[opt]);
+        }
+        c.max_memory_per_worker = Some(Bytes(worst_peak(&full) - 1));
+        let e = check_fits(&c, 2, None).unwrap_err().to_string();
+        assert!(e.contains("--zero 2 (2 workers)"), "{e}");
     }
 
     #[test]

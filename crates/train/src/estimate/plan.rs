@@ -5,8 +5,13 @@
 //! with why.
 //!
 //! A layout's text form is `dp2 pp2 tp1 1f1b m8` (`interleaved v2` for two virtual
-//! stages; `recompute-full` or `recompute-selective` for activation recomputation):
-//! [`Layout`] parses and prints it.
+//! stages; `zero1` for ZeRO stage 1; `recompute-full` or `recompute-selective` for
+//! activation recomputation): [`Layout`] parses and prints it.
+//!
+//! The memory savers are tried in order of what they cost: for each layout and each ZeRO
+//! stage (0, and 1 with data parallelism: it shards the optimizer state and moves the
+//! bytes of the all-reduce), no recomputation, then selective, then full, stopping at the
+//! first that fits.
 
 use std::fmt;
 use std::str::FromStr;
@@ -27,6 +32,8 @@ pub struct Layout {
     pub schedule: ScheduleKind,
     pub microbatches: usize,
     pub recompute: Recompute,
+    /// The ZeRO stage over the data-parallel axis.
+    pub zero: u8,
 }
 
 impl Layout {
@@ -48,6 +55,7 @@ impl Layout {
             schedule,
             microbatches: cfg.microbatches,
             recompute: cfg.recompute,
+            zero: cfg.zero,
         })
     }
 
@@ -64,6 +72,7 @@ impl Layout {
         };
         c.schedule = ScheduleChoice::Named(self.schedule);
         c.recompute = self.recompute;
+        c.zero = self.zero;
         c
     }
 
@@ -82,6 +91,9 @@ impl fmt::Display for Layout {
             ref k => write!(f, "{k}")?,
         }
         write!(f, " m{}", self.microbatches)?;
+        if self.zero > 0 {
+            write!(f, " zero{}", self.zero)?;
+        }
         match self.recompute {
             Recompute::None => Ok(()),
             r => write!(f, " recompute-{r}"),
@@ -95,6 +107,7 @@ impl FromStr for Layout {
     /// axes are 1; `interleaved` takes `vN` (default 2).
     fn from_str(s: &str) -> Result<Layout, String> {
         let (mut dp, mut pp, mut tp, mut m, mut v) = (None, None, None, None, None);
+        let mut zero = None;
         let (mut schedule, mut recompute) = (None, None);
         for word in s.split_whitespace() {
             if let Some(mode) = word.strip_prefix("recompute-") {
@@ -128,6 +141,11 @@ impl FromStr for Layout {
                 Some((&mut m, n?))
             } else if let Some(n) = num("v") {
                 Some((&mut v, n?))
+            } else if let Some(n) = word.strip_prefix("zero").and_then(|z| z.parse::<u8>().ok()) {
+                if zero.replace(n).is_some() {
+                    return Err(format!("`{s}`: `{word}` given twice"));
+                }
+                continue;
             } else {
                 None
             };
@@ -141,7 +159,8 @@ impl FromStr for Layout {
                     let kind: ScheduleKind = word.parse().map_err(|_| {
                         format!(
                             "`{s}`: `{word}` is neither an axis (dpN, ppN, tpN, mN, vN), a \
-                             schedule (gpipe, 1f1b, interleaved, zb-h1) nor recompute-MODE"
+                             schedule (gpipe, 1f1b, interleaved, zb-h1), zeroN nor \
+                             recompute-MODE"
                         )
                     })?;
                     if schedule.replace(kind).is_some() {
@@ -164,6 +183,7 @@ impl FromStr for Layout {
             schedule,
             microbatches: m.unwrap_or(pp),
             recompute: recompute.unwrap_or_default(),
+            zero: zero.unwrap_or(0),
         })
     }
 }
@@ -211,8 +231,8 @@ impl Candidate {
 
 /// Every layout of exactly `workers` workers for `base`'s model and batch: each
 /// factorisation `dp × pp × tp`, each generated schedule (interleaved with 2 virtual
-/// stages), microbatches of 1 to 64 sequences that divide a replica's batch, at least
-/// `pp` of them, and each recomputation mode.
+/// stages), and microbatches of 1 to 64 sequences that divide a replica's batch, at least
+/// `pp` of them; without memory savers ([`plan`] adds them where needed).
 pub fn layouts<M: Model>(base: &TrainConfig<M>, workers: usize) -> Vec<Layout> {
     let mut out = Vec::new();
     for dp in divisors(workers) {
@@ -233,14 +253,15 @@ pub fn layouts<M: Model>(base: &TrainConfig<M>, workers: usize) -> Vec<Layout> {
                 for size in divisors(per_replica).into_iter().filter(|&b| b <= 64) {
                     let m = per_replica / size;
                     if m >= pp {
-                        out.extend(Recompute::ALL.map(|recompute| Layout {
+                        out.push(Layout {
                             dp,
                             pp,
                             tp,
                             schedule,
                             microbatches: m,
-                            recompute,
-                        }));
+                            recompute: Recompute::None,
+                            zero: 0,
+                        });
                     }
                 }
             }
@@ -260,6 +281,15 @@ pub fn candidate<M: Model>(
     budget: Option<u64>,
     time: &dyn Fn(&TrainConfig<M>) -> Option<f64>,
 ) -> Candidate {
+    let mut c = memory_only(base, layout, budget);
+    if !c.memory.is_empty() {
+        c.step_s = time(&layout.apply(base));
+    }
+    c
+}
+
+/// [`candidate`] without the step time.
+fn memory_only<M: Model>(base: &TrainConfig<M>, layout: &Layout, budget: Option<u64>) -> Candidate {
     let cfg = layout.apply(base);
     let invalid = |why: String| Candidate {
         layout: layout.clone(),
@@ -278,7 +308,7 @@ pub fn candidate<M: Model>(
         layout: layout.clone(),
         verdict: Verdict::Fits,
         memory,
-        step_s: time(&cfg),
+        step_s: None,
     };
     let peak = c.peak_bytes();
     if budget.is_some_and(|b| peak > b) {
@@ -287,18 +317,52 @@ pub fn candidate<M: Model>(
     c
 }
 
-/// Every layout of `workers` workers, predicted and ranked: those that fit, fastest
-/// first (least memory first without times); then those too big, smallest first; then
-/// the invalid ones.
-pub fn plan<M: Model>(
+/// `layout` with each ZeRO stage worth trying (0, and 1 with data parallelism) and, for
+/// each, the cheapest recomputation that fits `budget` (the last tried, `full`, when none
+/// does).
+fn with_savers<M: Model>(
+    base: &TrainConfig<M>,
+    layout: &Layout,
+    budget: Option<u64>,
+    time: &(dyn Fn(&TrainConfig<M>) -> Option<f64> + Sync),
+) -> Vec<Candidate> {
+    let zeros: &[u8] = if layout.dp > 1 { &[0, 1] } else { &[0] };
+    let mut out = Vec::new();
+    for &zero in zeros {
+        for recompute in Recompute::ALL {
+            let l = Layout {
+                recompute,
+                zero,
+                ..layout.clone()
+            };
+            // Timed only once chosen: the time model costs more than the memory's.
+            let mut c = memory_only(base, &l, budget);
+            let done = !matches!(c.verdict, Verdict::TooBig { .. });
+            if done || recompute == Recompute::Full {
+                if !c.memory.is_empty() {
+                    c.step_s = time(&l.apply(base));
+                }
+                out.push(c);
+                break;
+            }
+        }
+    }
+    out
+}
+
+/// Every layout of `workers` workers, with the memory savers it needs, predicted and
+/// ranked: those that fit, fastest first (least memory first without times); then those
+/// too big, smallest first; then the invalid ones.
+pub fn plan<M: Model + Sync>(
     base: &TrainConfig<M>,
     workers: usize,
     budget: Option<u64>,
-    time: &dyn Fn(&TrainConfig<M>) -> Option<f64>,
+    time: &(dyn Fn(&TrainConfig<M>) -> Option<f64> + Sync),
 ) -> Vec<Candidate> {
+    use rayon::prelude::*;
     let mut all: Vec<Candidate> = layouts(base, workers)
-        .iter()
-        .map(|l| candidate(base, l, budget, time))
+        .par_iter()
+        .flat_map_iter(|l| with_savers(base, l, budget, time))
         .collect();
     let rank = |c: &Candidate| match c.verdict {
         Verdict::Fits => 0,
@@ -339,7 +403,7 @@ mod tests {
             "dp1 pp4 tp2 interleaved v2 m8",
             "dp4 pp1 tp1 1f1b m1",
             "dp1 pp2 tp2 zb-h1 m8 recompute-full",
-            "dp2 pp1 tp1 1f1b m2 recompute-selective",
+            "dp2 pp1 tp1 1f1b m2 zero1 recompute-selective",
         ] {
             let l: Layout = text.parse().unwrap();
             assert_eq!(l.to_string(), text);
@@ -354,6 +418,7 @@ mod tests {
             "pp2 1f1b v2",
             "recompute-some",
             "recompute-full recompute-none",
+            "dp2 zero1 zero2",
         ] {
             assert!(bad.parse::<Layout>().is_err(), "{bad}");
         }

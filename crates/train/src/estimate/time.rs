@@ -305,9 +305,15 @@ pub fn predict_step_time<M: Model>(
             let mine = program.stages_of_rank(r);
             let sum = |f: &dyn Fn(usize) -> f64| mine.iter().map(|&s| f(s as usize)).sum::<f64>();
             let share = sum(&|s| flops(&plans[s])) / total_flops.max(f64::MIN_POSITIVE);
+            // Full recomputation: each stage's forward (and its collectives) once more.
+            let again = if cfg.recompute == Recompute::Full {
+                1.0
+            } else {
+                0.0
+            };
             (
-                mb * sum(&|s| stages[s].0),
-                mb * sum(&|s| stages[s].1 + stages[s].2),
+                mb * sum(&|s| stages[s].0 * (1.0 + again * phi)),
+                mb * sum(&|s| stages[s].1 * (1.0 + again) + stages[s].2),
                 params * share / cfg.tp as f64,
                 tensors * share,
             )

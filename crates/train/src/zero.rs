@@ -1,0 +1,422 @@
+//! ZeRO stages 1 and 2 over the data-parallel axis (Rajbhandari et al., 2020).
+//!
+//! Without ZeRO every data-parallel replica all-reduces the gradients and keeps AdamW's
+//! moments of every parameter it holds. With ZeRO each of the `dp` replicas of a rank
+//! owns `1/dp` of every gradient bucket:
+//!
+//! 1. a bucket (the same consecutive parameters the all-reduce sums together, about
+//!    `bucket_mib`) is flattened, padded with zeros to a multiple of `dp` elements, and
+//!    reduce-scattered (summed): replica `r` receives elements `[r·s, (r+1)·s)` of the
+//!    sum, `s = ⌈n/dp⌉`;
+//! 2. the global gradient norm is the sum of the squares of every replica's own shard
+//!    (the padding is zero), added in the step's one world all-gather like the
+//!    unsharded path's, so clipping sees the same norm;
+//! 3. AdamW updates replica `r`'s shard of the parameters with the moments of that
+//!    shard only ([`ShardedAdamW`], the same element-wise arithmetic as
+//!    [`crate::optim::AdamW`]);
+//! 4. the updated shards are all-gathered, and every replica writes the whole bucket
+//!    back into its parameters, so all replicas hold the same full parameters again.
+//!
+//! Stage 1 keeps the rank's full (unreduced) gradients until the step ends, as a
+//! framework whose gradients live beside the parameters does; stage 2 drops each
+//! bucket's full gradients as soon as the bucket is scattered. The executor accumulates
+//! whole gradients over the microbatches, so the backward's own peak is the same in
+//! both stages; what stage 2 saves is the full gradient during the update.
+//!
+//! The communication is that of the all-reduce: a ring all-reduce is a reduce-scatter
+//! followed by an all-gather, and each moves `(dp − 1)/dp` of the (padded) bucket.
+//!
+//! Checkpoints keep today's format: [`ShardedAdamW::full_moments`] all-gathers every
+//! parameter's moments, so a ZeRO checkpoint loads on any layout and any stage, and
+//! [`ShardedAdamW::restore`] cuts full moments into this replica's shards.
+
+use std::ops::Range;
+
+use candle_core::{CpuStorage, DType, Device, Storage, Tensor, Var};
+use switchyard_comm::{Communicator, ReduceOp};
+use switchyard_mem::Category;
+
+use crate::error::{fail, Result};
+use crate::optim::{sum_sq, update_slice, AdamWConfig, StepScalars};
+
+/// The buckets of consecutive parameters, by their element counts `sizes`: each holds
+/// at most `bucket_mib` MiB of f32 values, or a single parameter that is larger alone.
+/// The unsharded all-reduce and ZeRO's reduce-scatter use the same buckets.
+pub fn buckets(sizes: &[usize], bucket_mib: f64) -> Vec<Range<usize>> {
+    let limit = ((bucket_mib * 1024.0 * 1024.0) / 4.0).max(1.0) as usize;
+    let mut out = Vec::new();
+    let mut start = 0;
+    while start < sizes.len() {
+        let (mut end, mut elems) = (start, 0);
+        while end < sizes.len() && (end == start || elems + sizes[end] <= limit) {
+            elems += sizes[end];
+            end += 1;
+        }
+        out.push(start..end);
+        start = end;
+    }
+    out
+}
+
+/// The part of one parameter that lies in this replica's shard of a bucket: elements
+/// `from..from + len` of the flattened parameter are elements `at..at + len` of the shard.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Piece {
+    pub param: usize,
+    pub from: usize,
+    pub len: usize,
+    pub at: usize,
+}
+
+/// One bucket as ZeRO cuts it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Bucket {
+    /// The parameters in it (indices into the rank's parameter list).
+    pub params: Range<usize>,
+    /// Each parameter's offset in the flattened bucket.
+    pub offsets: Vec<usize>,
+    /// Elements in the bucket.
+    pub len: usize,
+    /// Elements per replica: `⌈len / dp⌉` (the last replicas' shards end in padding).
+    pub shard: usize,
+    /// The pieces of parameters in this replica's shard, in order.
+    pub pieces: Vec<Piece>,
+}
+
+impl Bucket {
+    fn new(params: Range<usize>, sizes: &[usize], dp: usize, rank: usize) -> Bucket {
+        let mut offsets = Vec::with_capacity(params.len());
+        let mut len = 0;
+        for i in params.clone() {
+            offsets.push(len);
+            len += sizes[i];
+        }
+        let shard = len.div_ceil(dp.max(1));
+        let (lo, hi) = (rank * shard, (rank + 1) * shard);
+        let pieces = params
+            .clone()
+            .zip(&offsets)
+            .filter_map(|(i, &o)| {
+                let (a, b) = (o.max(lo), (o + sizes[i]).min(hi));
+                (a < b).then(|| Piece {
+                    param: i,
+                    from: a - o,
+                    len: b - a,
+                    at: a - lo,
+                })
+            })
+            .collect();
+        Bucket {
+            params,
+            offsets,
+            len,
+            shard,
+            pieces,
+        }
+    }
+
+    /// Elements in the bucket with its padding: `shard · dp`.
+    pub fn padded(&self, dp: usize) -> usize {
+        self.shard * dp
+    }
+}
+
+/// How ZeRO cuts a rank's parameters: the buckets and this replica's shard of each.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Layout {
+    pub dp: usize,
+    pub rank: usize,
+    pub buckets: Vec<Bucket>,
+}
+
+impl Layout {
+    /// The layout of parameters with `sizes` elements for replica `rank` of `dp`.
+    pub fn new(sizes: &[usize], bucket_mib: f64, dp: usize, rank: usize) -> Layout {
+        let buckets = buckets(sizes, bucket_mib)
+            .into_iter()
+            .map(|r| Bucket::new(r, sizes, dp, rank))
+            .collect();
+        Layout { dp, rank, buckets }
+    }
+
+    /// Elements of every bucket's shard: the moments this replica keeps.
+    pub fn shard_elems(&self) -> usize {
+        self.buckets.iter().map(|b| b.shard).sum()
+    }
+}
+
+/// The ZeRO stage 1–2 gradient step of [`crate::Worker`]: reduce-scatters each bucket of
+/// `grads` over `dp`, returning this replica's summed shard of each bucket. With
+/// `keep_full` (stage 1) the full gradients stay in `grads`; without it (stage 2) each
+/// bucket's are dropped as soon as it is scattered.
+pub fn reduce_scatter(
+    layout: &Layout,
+    dp: &dyn Communicator,
+    grads: &mut [Option<Tensor>],
+    keep_full: bool,
+) -> Result<Vec<Tensor>> {
+    let mut shards = Vec::with_capacity(layout.buckets.len());
+    for (k, b) in layout.buckets.iter().enumerate() {
+        let mut flat = Vec::with_capacity(b.params.len() + 1);
+        for i in b.params.clone() {
+            let Some(g) = &grads[i] else {
+                fail!(
+                    Config,
+                    "ZeRO reduce-scatter of bucket {k}: parameter {i} has no gradient"
+                );
+            };
+            flat.push(g.flatten_all()?);
+        }
+        let pad = b.padded(layout.dp) - b.len;
+        if pad > 0 {
+            flat.push(Tensor::zeros(pad, flat[0].dtype(), flat[0].device())?);
+        }
+        let cat = Tensor::cat(&flat, 0)?;
+        drop(flat);
+        if !keep_full {
+            for g in &mut grads[b.params.clone()] {
+                *g = None;
+            }
+        }
+        shards.push(dp.reduce_scatter(&cat, 0, ReduceOp::Sum)?);
+    }
+    Ok(shards)
+}
+
+/// What the step's norm needs from this replica's shards: the sum of the squares of the
+/// pieces of the parameters it `owned`s, and the first parameter (of any) whose piece is
+/// not finite.
+pub fn shard_norm(
+    layout: &Layout,
+    shards: &[Tensor],
+    owned: &[bool],
+) -> Result<(f64, Option<usize>)> {
+    let (mut sq, mut bad) = (0.0, None);
+    for (b, s) in layout.buckets.iter().zip(shards) {
+        for p in &b.pieces {
+            let x = sum_sq(&s.narrow(0, p.at, p.len)?)?;
+            if !x.is_finite() && bad.is_none() {
+                bad = Some(p.param);
+            }
+            if owned[p.param] {
+                sq += x;
+            }
+        }
+    }
+    Ok((sq, bad))
+}
+
+/// AdamW over this replica's shards (ZeRO stages 1 and 2): the moments of `1/dp` of
+/// every bucket, the same update as [`crate::optim::AdamW`] element by element.
+pub struct ShardedAdamW {
+    pub config: AdamWConfig,
+    /// Steps taken so far (`t` of the bias correction).
+    pub t: u64,
+    pub layout: Layout,
+    params: Vec<Var>,
+    decay: Vec<bool>,
+    /// Per bucket, the first and second moments of this replica's shard (`shard`
+    /// elements; the padding's stay zero).
+    pub m: Vec<Vec<f64>>,
+    pub v: Vec<Vec<f64>>,
+}
+
+impl ShardedAdamW {
+    /// Zero moments for this replica's shard of `params`, cut by `layout`.
+    pub fn new(params: Vec<Var>, config: AdamWConfig, layout: Layout) -> ShardedAdamW {
+        let decay = params
+            .iter()
+            .map(|p| config.decay.applies_to(p.rank()))
+            .collect();
+        let m = layout.buckets.iter().map(|b| vec![0.0; b.shard]).collect();
+        let v = layout.buckets.iter().map(|b| vec![0.0; b.shard]).collect();
+        ShardedAdamW {
+            config,
+            t: 0,
+            layout,
+            params,
+            decay,
+            m,
+            v,
+        }
+    }
+
+    /// One step: `shards[k]` is this replica's (summed, clipped) gradient shard of bucket
+    /// `k`. Updates the own shard of the parameters, then all-gathers every bucket over
+    /// `dp` and writes it into the parameters. Collective over `dp`.
+    pub fn step(&mut self, dp: &dyn Communicator, shards: &[Tensor], lr: f64) -> Result<()> {
+        if shards.len() != self.layout.buckets.len() {
+            fail!(
+                Config,
+                "ZeRO AdamW step: {} gradient shards for {} buckets",
+                shards.len(),
+                self.layout.buckets.len()
+            );
+        }
+        self.t += 1;
+        let dpn = self.layout.dp;
+        for (k, (b, g)) in self.layout.buckets.iter().zip(shards).enumerate() {
+            // The shard of the parameters is what the all-gather sends: a communication
+            // buffer (the measured optimizer state is the moments alone).
+            let comm = switchyard_mem::scope(Category::Comm);
+            let mut p = vec![0f32; b.shard];
+            drop(comm);
+            with_f32(g, |g| {
+                for pc in &b.pieces {
+                    let var = &self.params[pc.param];
+                    if var.dtype() != DType::F32 {
+                        fail!(
+                            Config,
+                            "ZeRO AdamW step: parameter {} is {:?}; only f32 parameters are \
+                             sharded",
+                            pc.param,
+                            var.dtype()
+                        );
+                    }
+                    let r = pc.at..pc.at + pc.len;
+                    read_f32(var.as_tensor(), pc.from, &mut p[r.clone()])?;
+                    let wd = match self.decay[pc.param] {
+                        true => self.config.weight_decay,
+                        false => 0.0,
+                    };
+                    let s = StepScalars::new(self.config, self.t, lr, wd);
+                    update_slice(
+                        &mut p[r.clone()],
+                        &g[r.clone()],
+                        &mut self.m[k][r.clone()],
+                        &mut self.v[k][r],
+                        &s,
+                    );
+                }
+                Ok(())
+            })?;
+            let comm = switchyard_mem::scope(Category::Comm);
+            let full = dp.all_gather(&Tensor::from_vec(p, b.shard, &Device::Cpu)?, 0)?;
+            debug_assert_eq!(full.elem_count(), b.padded(dpn));
+            for (i, &o) in b.params.clone().zip(&b.offsets) {
+                let var = &self.params[i];
+                let n = var.elem_count();
+                let new = full.narrow(0, o, n)?.reshape(var.shape())?;
+                var.set(&new.to_device(var.device())?)?;
+            }
+            drop(full);
+            drop(comm);
+        }
+        Ok(())
+    }
+
+    /// Every parameter's full moments `(m, v)`, flattened, all-gathered from the
+    /// replicas' shards. Collective over `dp`.
+    pub fn full_moments(&self, dp: &dyn Communicator) -> Result<Vec<(Vec<f64>, Vec<f64>)>> {
+        let mut out = vec![(Vec::new(), Vec::new()); self.params.len()];
+        for (k, b) in self.layout.buckets.iter().enumerate() {
+            let gather = |x: &[f64]| -> Result<Vec<f64>> {
+                let t = Tensor::from_slice(x, x.len(), &Device::Cpu)?;
+                Ok(dp.all_gather(&t, 0)?.to_vec1::<f64>()?)
+            };
+            let (m, v) = (gather(&self.m[k])?, gather(&self.v[k])?);
+            for (i, &o) in b.params.clone().zip(&b.offsets) {
+                let n = self.params[i].elem_count();
+                out[i] = (m[o..o + n].to_vec(), v[o..o + n].to_vec());
+            }
+        }
+        Ok(out)
+    }
+
+    /// Sets this replica's shards of the moments from every parameter's full (flattened)
+    /// moments `(m, v)`.
+    pub fn restore(&mut self, full: &[(Vec<f64>, Vec<f64>)], t: u64) -> Result<()> {
+        for (k, b) in self.layout.buckets.iter().enumerate() {
+            for pc in &b.pieces {
+                let (m, v) = &full[pc.param];
+                if m.len() != self.params[pc.param].elem_count() || v.len() != m.len() {
+                    fail!(
+                        Checkpoint,
+                        "restoring ZeRO moments: parameter {} has {} elements, its moments {} and {}",
+                        pc.param,
+                        self.params[pc.param].elem_count(),
+                        m.len(),
+                        v.len()
+                    );
+                }
+                let (src, dst) = (pc.from..pc.from + pc.len, pc.at..pc.at + pc.len);
+                self.m[k][dst.clone()].copy_from_slice(&m[src.clone()]);
+                self.v[k][dst].copy_from_slice(&v[src]);
+            }
+        }
+        self.t = t;
+        Ok(())
+    }
+}
+
+/// Runs `f` on the f32 values of `t` (a 1-D gradient shard): in place when it is a
+/// contiguous f32 CPU tensor, else on a copy.
+fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> Result<R>) -> Result<R> {
+    {
+        let (s, l) = t.storage_and_layout();
+        if let (Storage::Cpu(CpuStorage::F32(v)), true) = (&*s, l.is_contiguous()) {
+            let (a, b) = (l.start_offset(), l.start_offset() + l.shape().elem_count());
+            return f(&v[a..b]);
+        }
+    }
+    let copy = t
+        .to_dtype(DType::F32)?
+        .to_device(&Device::Cpu)?
+        .to_vec1::<f32>()?;
+    f(&copy)
+}
+
+/// Copies elements `from..from + out.len()` of the flattened f32 tensor `t` into `out`.
+fn read_f32(t: &Tensor, from: usize, out: &mut [f32]) -> Result<()> {
+    {
+        let (s, l) = t.storage_and_layout();
+        if let (Storage::Cpu(CpuStorage::F32(v)), true) = (&*s, l.is_contiguous()) {
+            let a = l.start_offset() + from;
+            out.copy_from_slice(&v[a..a + out.len()]);
+            return Ok(());
+        }
+    }
+    let piece = t
+        .flatten_all()?
+        .narrow(0, from, out.len())?
+        .to_vec1::<f32>()?;
+    out.copy_from_slice(&piece);
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buckets_split_by_size_and_keep_a_large_parameter_alone() {
+        // 1 MiB = 262144 f32.
+        let sizes = [100_000, 100_000, 100_000, 400_000, 10];
+        assert_eq!(buckets(&sizes, 1.0), vec![0..2, 2..3, 3..4, 4..5]);
+        assert_eq!(buckets(&sizes, 100.0), vec![0..5]);
+        assert!(buckets(&[], 1.0).is_empty());
+    }
+
+    #[test]
+    fn the_shards_cover_every_element_once_with_padding_at_the_end() {
+        let sizes = [5, 3, 7, 1];
+        for dp in 1..=5 {
+            let mut seen = vec![0; 16];
+            for rank in 0..dp {
+                let l = Layout::new(&sizes, 100.0, dp, rank);
+                let b = &l.buckets[0];
+                assert_eq!((b.len, b.shard), (16, 16usize.div_ceil(dp)));
+                for p in &b.pieces {
+                    assert!(p.at + p.len <= b.shard);
+                    let o = b.offsets[p.param];
+                    let start = o + p.from;
+                    assert_eq!(start, rank * b.shard + p.at);
+                    for n in &mut seen[start..start + p.len] {
+                        *n += 1;
+                    }
+                }
+            }
+            assert!(seen.iter().all(|&n| n == 1), "dp {dp}: {seen:?}");
+        }
+    }
+}

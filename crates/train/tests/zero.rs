@@ -1,0 +1,384 @@
+//! ZeRO stages 1 and 2 (issue 16 §2): the same training as `--zero 0`, with the
+//! optimizer state cut into `1/dp` per replica.
+//!
+//! - parity: the losses of 20 steps and every parameter after them equal `--zero 0`
+//!   within 1e-6 relative, for dp 2 and 4, dp 2 × pp 2 and dp 2 × tp 2 (and dp 3, whose
+//!   buckets need padding), with clipping and weight decay on; every replica ends with
+//!   bit-identical parameters;
+//! - the optimizer keeps `1/dp` of the moments (padding aside);
+//! - communication, counted by `switchyard_comm::Counting`: the reduce-scatter and
+//!   all-gather move what the all-reduce moved (up to the padding, exactly);
+//! - checkpoints: a ZeRO checkpoint resumes without ZeRO on another layout and the other
+//!   way round, continuing the same run.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use candle_core::Tensor;
+use common::*;
+use switchyard_comm::local::Launcher;
+use switchyard_comm::{Communicator, Counting, Traffic};
+use switchyard_models::GptConfig;
+use switchyard_shard::{gather_full_tensor, ParamSource};
+use switchyard_train::data::Corpus;
+use switchyard_train::zero::Layout;
+use switchyard_train::{train, Resume, TrainConfig, TrainError, TrainOptions, Worker};
+
+/// What a run of `steps` steps left: the losses, every replica's full parameters by
+/// name, and each rank's moment elements.
+struct Run {
+    losses: Vec<f64>,
+    /// Per data-parallel replica, the full parameters (gathered over tp, from every
+    /// pipeline rank).
+    replicas: Vec<BTreeMap<String, Tensor>>,
+    moment_elems: Vec<usize>,
+}
+
+fn run_steps(cfg: &TrainConfig<GptConfig>, steps: usize) -> Run {
+    let corpus = Corpus::bundled();
+    let outs = Launcher::new(cfg.world_size())
+        .threads_per_worker(1)
+        .run(|world| {
+            let mut w = Worker::new(world, cfg, &corpus, ParamSource::Init { seed: cfg.seed })?;
+            let mut losses = Vec::new();
+            for step in 0..steps {
+                let m = w.step(step)?.map_err(|e| {
+                    TrainError::Config(format!("step {}: not finite on rank {}", e.step, e.rank))
+                })?;
+                losses.push(m.loss);
+            }
+            let tp = w.mesh.tp.clone();
+            let full = w
+                .params()
+                .iter()
+                .map(|p| {
+                    Ok((
+                        p.name.clone(),
+                        gather_full_tensor(&*tp, &p.spec, p.var.as_tensor())?,
+                    ))
+                })
+                .collect::<Result<Vec<_>, TrainError>>()?;
+            Ok::<_, TrainError>((w.mesh.coord, losses, full, w.opt.moment_elems()))
+        })
+        .unwrap_or_else(|e| panic!("{e:#}"));
+    let mut replicas = vec![BTreeMap::new(); cfg.dp];
+    let mut losses = Vec::new();
+    let mut moment_elems = Vec::new();
+    for (coord, l, full, elems) in outs {
+        if losses.is_empty() {
+            losses = l;
+        }
+        replicas[coord.dp].extend(full);
+        moment_elems.push(elems);
+    }
+    Run {
+        losses,
+        replicas,
+        moment_elems,
+    }
+}
+
+fn with_zero(cfg: &TrainConfig<GptConfig>, zero: u8) -> TrainConfig<GptConfig> {
+    TrainConfig {
+        zero,
+        ..cfg.clone()
+    }
+}
+
+/// 20 steps of `cfg` with ZeRO 1 and 2 against `--zero 0`.
+fn assert_zero_parity(cfg: &TrainConfig<GptConfig>) {
+    let what = format!("dp {} pp {} tp {}", cfg.dp, cfg.pp, cfg.tp);
+    let want = run_steps(&with_zero(cfg, 0), 20);
+    assert!(
+        want.losses[19] < want.losses[0] - 0.3,
+        "{what}: the run must learn: {:?}",
+        want.losses
+    );
+    for zero in [1, 2] {
+        let got = run_steps(&with_zero(cfg, zero), 20);
+        for (step, (g, w)) in got.losses.iter().zip(&want.losses).enumerate() {
+            let e = (g - w).abs() / w.abs();
+            assert!(
+                e <= 1e-6,
+                "{what} zero {zero}: step {step} loss {g} vs {w} ({e:.2e})"
+            );
+        }
+        for (name, w) in &want.replicas[0] {
+            let g = &got.replicas[0][name];
+            let e = rel_err(g, w);
+            assert!(
+                e <= 1e-6,
+                "{what} zero {zero}: {name} after 20 steps differs by {e:.2e}"
+            );
+            // Every replica holds exactly the same parameters after the all-gather.
+            for (r, rep) in got.replicas.iter().enumerate().skip(1) {
+                let d = (&rep[name] - g)
+                    .unwrap()
+                    .abs()
+                    .unwrap()
+                    .max_all()
+                    .unwrap()
+                    .to_scalar::<f32>()
+                    .unwrap();
+                assert_eq!(d, 0.0, "{what} zero {zero}: {name} on replica {r}");
+            }
+        }
+        // The optimizer keeps 1/dp of the moments, plus at most dp − 1 elements of
+        // padding per bucket.
+        let full: usize = want.moment_elems.iter().sum();
+        let sharded: usize = got.moment_elems.iter().sum();
+        assert!(
+            sharded * cfg.dp >= full && sharded * cfg.dp <= full + 64 * cfg.dp * cfg.dp,
+            "{what} zero {zero}: {sharded} moment elements over all ranks, {full} without ZeRO"
+        );
+    }
+}
+
+#[test]
+fn zero_trains_the_same_model_with_dp_2_and_4() {
+    for dp in [2, 4] {
+        assert_zero_parity(&tiny(dp, 1, 1, "1f1b"));
+    }
+}
+
+#[test]
+fn zero_composes_with_a_pipeline_and_tensor_parallelism() {
+    assert_zero_parity(&tiny(2, 2, 1, "1f1b"));
+    assert_zero_parity(&tiny(2, 1, 2, "1f1b"));
+}
+
+#[test]
+fn zero_with_padded_buckets_ties_and_decay_on_every_parameter() {
+    // dp 3 does not divide the buckets of a width-16 model: the shards end in padding.
+    // Small buckets (one or a few tensors each), tied embeddings across two stages, and
+    // weight decay on the biases and gains too.
+    let mut c = tiny(3, 2, 1, "1f1b");
+    c.bucket_mib = 0.01;
+    c.model.tied_embeddings = true;
+    c.decay = switchyard_train::optim::Decay::All;
+    let layout = Layout::new(&[4096, 128, 48], c.bucket_mib, 3, 0);
+    assert!(layout.buckets.iter().any(|b| b.padded(3) != b.len));
+    assert_zero_parity(&c);
+}
+
+/// The traffic of one rank's data-parallel group over `steps` steps, and the rank's
+/// ZeRO layout of its parameters.
+fn dp_traffic(
+    cfg: &TrainConfig<GptConfig>,
+    steps: usize,
+) -> Vec<(usize, [Traffic; 3], Vec<usize>)> {
+    let corpus = Corpus::bundled();
+    Launcher::new(cfg.world_size())
+        .threads_per_worker(1)
+        .run(|world: Arc<dyn Communicator>| {
+            let (world, counts) = Counting::wrap_groups(world);
+            let mut w = Worker::new(world, cfg, &corpus, ParamSource::Init { seed: cfg.seed })?;
+            for step in 0..steps {
+                w.step(step)?.expect("finite");
+            }
+            let t = |op| counts.traffic("dp", op);
+            let sizes = w.params().iter().map(|p| p.var.elem_count()).collect();
+            Ok::<_, TrainError>((
+                w.mesh.world.rank(),
+                [t("all_reduce"), t("reduce_scatter"), t("all_gather")],
+                sizes,
+            ))
+        })
+        .unwrap_or_else(|e| panic!("{e:#}"))
+}
+
+#[test]
+fn zero_moves_the_bytes_of_the_all_reduce() {
+    for (dp, pp, tp, bucket_mib) in [
+        (2, 1, 1, 25.0),
+        (4, 1, 1, 0.01),
+        (3, 1, 1, 0.01),
+        (2, 2, 2, 0.01),
+    ] {
+        let mut c = tiny(dp, pp, tp, "1f1b");
+        c.bucket_mib = bucket_mib;
+        let steps = 2;
+        let base = dp_traffic(&with_zero(&c, 0), steps);
+        for zero in [1, 2] {
+            let got = dp_traffic(&with_zero(&c, zero), steps);
+            for ((rank, want, sizes), (_, [ar, rs, ag], _)) in base.iter().zip(&got) {
+                let what = format!("dp {dp} pp {pp} tp {tp} zero {zero} rank {rank}");
+                let layout = Layout::new(sizes, bucket_mib, dp, 0);
+                let n = layout.buckets.len();
+                let len: usize = layout.buckets.iter().map(|b| b.len).sum();
+                let padded: usize = layout.buckets.iter().map(|b| b.padded(dp)).sum();
+                // Without ZeRO: one all-reduce of every bucket per step.
+                assert_eq!(
+                    want[0],
+                    Traffic {
+                        calls: n * steps,
+                        bytes: (4 * len * steps) as u128
+                    },
+                    "{what}: the all-reduce"
+                );
+                assert_eq!(want[1].calls + want[2].calls, 0, "{what}");
+                // With ZeRO: no all-reduce on dp; one reduce-scatter of every padded
+                // bucket (f32 gradients) and one all-gather of every padded bucket (f32
+                // parameters) per step.
+                assert_eq!(ar.calls, 0, "{what}: an all-reduce");
+                let once = Traffic {
+                    calls: n * steps,
+                    bytes: (4 * padded * steps) as u128,
+                };
+                assert_eq!(*rs, once, "{what}: the reduce-scatter");
+                assert_eq!(*ag, once, "{what}: the all-gather");
+                // On a ring each rank sends (dp − 1)/dp of a reduce-scatter's and of an
+                // all-gather's bytes and 2·(dp − 1)/dp of an all-reduce's: the same
+                // bytes, but for the padding (dp − 1)/dp · 2 · 4 · (padded − len).
+                let ring = |t: &Traffic, k: u128| t.bytes * k * (dp as u128 - 1);
+                assert_eq!(
+                    ring(rs, 1) + ring(ag, 1),
+                    ring(&want[0], 2) + (2 * 4 * (padded - len) * steps) as u128 * (dp as u128 - 1),
+                    "{what}: the ring's bytes × dp"
+                );
+                if dp == 2 || dp == 4 {
+                    assert_eq!(padded, len, "{what}: a width-16 model needs no padding");
+                } else {
+                    assert!(padded > len, "{what}: dp 3 pads");
+                }
+            }
+        }
+    }
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("switchyard-zero-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn run_with_checkpoints(
+    cfg: &TrainConfig<GptConfig>,
+    dir: &Path,
+    save_every: usize,
+    resume: Option<Resume>,
+) -> Vec<f64> {
+    let opts = TrainOptions {
+        checkpoint_dir: Some(dir.to_path_buf()),
+        save_every,
+        keep: 0,
+        resume,
+        ..TrainOptions::default()
+    };
+    let r = train(cfg, &Corpus::bundled(), &opts).unwrap_or_else(|e| panic!("{e:#}"));
+    r.steps.iter().map(|s| s.loss).collect()
+}
+
+#[test]
+fn a_zero_checkpoint_resumes_on_any_layout_and_stage() {
+    // A fixed global batch of 8 sequences, whatever the layout.
+    let cfg = |dp, pp, tp, zero| {
+        let mut c = tiny(dp, pp, tp, "1f1b");
+        c.batch = 8;
+        c.microbatches = 2;
+        c.steps = 8;
+        c.zero = zero;
+        c
+    };
+    for (from, to) in [
+        (cfg(2, 1, 1, 1), cfg(1, 1, 1, 0)),
+        (cfg(2, 2, 1, 2), cfg(4, 1, 1, 1)),
+        (cfg(1, 2, 2, 0), cfg(2, 1, 2, 2)),
+    ] {
+        let what = format!(
+            "dp {} pp {} tp {} zero {} → dp {} pp {} tp {} zero {}",
+            from.dp, from.pp, from.tp, from.zero, to.dp, to.pp, to.tp, to.zero
+        );
+        let dir = scratch(&format!("{}-{}-{}-{}", from.dp, from.pp, from.zero, to.dp));
+        let full = run_with_checkpoints(&from, &dir, 4, None);
+        // The files hold whole moments, as without ZeRO.
+        let ck = switchyard_train::checkpoint::Checkpoint::open(&dir.join("step-00000004"))
+            .unwrap_or_else(|e| panic!("{what}: {e:#}"));
+        let state = ck.load_full().unwrap();
+        for (name, p) in &state.params {
+            assert_eq!(state.m[name].dims(), p.dims(), "{what}: {name}");
+        }
+        let resumed = run_with_checkpoints(&to, &dir, 0, Some(Resume::Step(4)));
+        assert_eq!(resumed.len(), 4);
+        for (k, (r, f)) in resumed.iter().zip(&full[4..]).enumerate() {
+            let e = (r - f).abs() / f.abs();
+            assert!(
+                e <= 1e-5,
+                "{what}: step {} loss {r} vs {f} ({e:.2e})",
+                k + 4
+            );
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
+
+#[test]
+fn a_zero_checkpoint_holds_the_moments_of_an_unsharded_run() {
+    let mut c = tiny(2, 1, 2, "1f1b");
+    c.batch = 8;
+    c.microbatches = 2;
+    c.steps = 3;
+    let state = |zero: u8| {
+        let dir = scratch(&format!("moments-{zero}"));
+        run_with_checkpoints(&with_zero(&c, zero), &dir, 0, None);
+        let ck =
+            switchyard_train::checkpoint::Checkpoint::open(&dir.join("step-00000003")).unwrap();
+        assert_eq!(ck.manifest.optimizer_t, 3);
+        let s = ck.load_full().unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+        s
+    };
+    let want = state(0);
+    for zero in [1, 2] {
+        let got = state(zero);
+        assert_eq!(got.m.len(), want.m.len());
+        for (name, w) in &want.m {
+            for (what, g, w) in [
+                ("m", &got.m[name], w),
+                ("v", &got.v[name], &want.v[name]),
+                ("value", &got.params[name], &want.params[name]),
+            ] {
+                assert_eq!(g.dims(), w.dims(), "zero {zero}: {name} {what}");
+                let e = rel_err(g, w);
+                assert!(e <= 1e-6, "zero {zero}: {name} {what} differs by {e:.2e}");
+            }
+        }
+    }
+}
+
+#[test]
+fn zero_on_the_same_layout_resumes_bit_exact() {
+    let mut c = tiny(2, 1, 1, "1f1b");
+    c.batch = 8;
+    c.steps = 8;
+    c.zero = 2;
+    let dir = scratch("same");
+    let full = run_with_checkpoints(&c, &dir, 4, None);
+    let resumed = run_with_checkpoints(&c, &dir, 0, Some(Resume::Step(4)));
+    assert_eq!(resumed, full[4..]);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_non_finite_gradient_stops_every_rank_under_zero() {
+    for zero in [1, 2] {
+        let mut cfg = tiny(2, 2, 1, "1f1b");
+        cfg.zero = zero;
+        cfg.lr = 1e30;
+        cfg.min_lr = 1e30;
+        cfg.warmup = 0;
+        cfg.grad_clip = 0.0;
+        cfg.steps = 5;
+        let e = train(&cfg, &Corpus::bundled(), &TrainOptions::default())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("step 1: non-finite values first appeared on rank"),
+            "zero {zero}: {e}"
+        );
+    }
+}
