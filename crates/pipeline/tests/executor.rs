@@ -183,29 +183,25 @@ fn check_with(program: &Program, recompute: bool) {
     );
 }
 
+/// Every schedule kind, with its pipeline ranks and microbatches.
+const KINDS: [(ScheduleKind, usize, usize); 5] = [
+    (ScheduleKind::GPipe, 2, 3),
+    (ScheduleKind::OneFOneB, 3, 5),
+    (ScheduleKind::OneFOneB, 1, 2),
+    (ScheduleKind::Interleaved { virtual_stages: 2 }, 2, 4),
+    (ScheduleKind::ZbH1, 3, 6),
+];
+
 #[test]
 fn every_schedule_matches_serial() {
-    for (kind, p, m) in [
-        (ScheduleKind::GPipe, 2, 3),
-        (ScheduleKind::OneFOneB, 3, 5),
-        (ScheduleKind::OneFOneB, 1, 2),
-        (ScheduleKind::Interleaved { virtual_stages: 2 }, 2, 4),
-        (ScheduleKind::ZbH1, 3, 6),
-    ] {
-        let program = generate(kind, p, m).unwrap();
-        check(&program);
+    for (kind, p, m) in KINDS {
+        check(&generate(kind, p, m).unwrap());
     }
 }
 
 #[test]
 fn recomputation_over_segments_matches_serial_under_every_schedule() {
-    for (kind, p, m) in [
-        (ScheduleKind::GPipe, 2, 3),
-        (ScheduleKind::OneFOneB, 3, 5),
-        (ScheduleKind::OneFOneB, 1, 2),
-        (ScheduleKind::Interleaved { virtual_stages: 2 }, 2, 4),
-        (ScheduleKind::ZbH1, 3, 6),
-    ] {
+    for (kind, p, m) in KINDS {
         check_with(&generate(kind, p, m).unwrap(), true);
     }
 }

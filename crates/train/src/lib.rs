@@ -74,4 +74,5 @@ pub use device::DeviceSpec;
 pub use error::TrainError;
 pub use report::{peak_rss, Coords, PipelineRankReport, RankMemory, StepRecord, TrainReport};
 pub use trainer::{train, train_rank, Resume, TrainOptions};
-pub use worker::{NonFinite, Optimizer, StepMetrics, Worker};
+pub use worker::{NonFinite, StepMetrics, Worker};
+pub use zero::Optimizer;

@@ -33,43 +33,9 @@ use switchyard_shard::{gather_full_tensor, Param, ParamSource, ParamStore, Shard
 use crate::checkpoint::RankShard;
 use crate::data::{Dataset, Sampler};
 use crate::error::{fail, Context, Result};
-use crate::optim::{sum_sq, AdamW, AdamWConfig, LrSchedule};
-use crate::zero::{self, ShardedAdamW};
+use crate::optim::{sum_sq, AdamW, LrSchedule};
+use crate::zero::{self, Optimizer, ShardedAdamW};
 use crate::{Recompute, TrainConfig};
-
-/// A rank's optimizer: AdamW over its whole parameters, or over its ZeRO shard of them.
-pub enum Optimizer {
-    /// `--zero 0`: every replica keeps the moments of every parameter it holds.
-    Full(AdamW),
-    /// `--zero 1|2`: the moments of this replica's `1/dp` of every bucket.
-    Sharded(ShardedAdamW),
-}
-
-impl Optimizer {
-    /// Steps taken so far.
-    pub fn t(&self) -> u64 {
-        match self {
-            Optimizer::Full(o) => o.t,
-            Optimizer::Sharded(o) => o.t,
-        }
-    }
-
-    /// AdamW's hyper-parameters.
-    pub fn config(&self) -> AdamWConfig {
-        match self {
-            Optimizer::Full(o) => o.config,
-            Optimizer::Sharded(o) => o.config,
-        }
-    }
-
-    /// Elements of moments (each of `m` and `v`) this rank keeps.
-    pub fn moment_elems(&self) -> usize {
-        match self {
-            Optimizer::Full(o) => o.moments.iter().map(|m| m.m.len()).sum(),
-            Optimizer::Sharded(o) => o.m.iter().map(Vec::len).sum(),
-        }
-    }
-}
 
 /// A model's stage as the executor sees it: its own parameters and the tied ones it
 /// uses without having created them.

@@ -37,7 +37,7 @@ use switchyard_comm::{Communicator, ReduceOp};
 use switchyard_mem::Category;
 
 use crate::error::{fail, Result};
-use crate::optim::{sum_sq, update_slice, AdamWConfig, StepScalars};
+use crate::optim::{sum_sq, update_slice, AdamW, AdamWConfig, StepScalars};
 
 /// The buckets of consecutive parameters, by their element counts `sizes`: each holds
 /// at most `bucket_mib` MiB of f32 values, or a single parameter that is larger alone.
@@ -382,6 +382,40 @@ fn read_f32(t: &Tensor, from: usize, out: &mut [f32]) -> Result<()> {
         .to_vec1::<f32>()?;
     out.copy_from_slice(&piece);
     Ok(())
+}
+
+/// A rank's optimizer: AdamW over its whole parameters, or over its ZeRO shard of them.
+pub enum Optimizer {
+    /// `--zero 0`: every replica keeps the moments of every parameter it holds.
+    Full(AdamW),
+    /// `--zero 1|2`: the moments of this replica's `1/dp` of every bucket.
+    Sharded(ShardedAdamW),
+}
+
+impl Optimizer {
+    /// Steps taken so far.
+    pub fn t(&self) -> u64 {
+        match self {
+            Optimizer::Full(o) => o.t,
+            Optimizer::Sharded(o) => o.t,
+        }
+    }
+
+    /// AdamW's hyper-parameters.
+    pub fn config(&self) -> AdamWConfig {
+        match self {
+            Optimizer::Full(o) => o.config,
+            Optimizer::Sharded(o) => o.config,
+        }
+    }
+
+    /// Elements of moments (each of `m` and `v`) this rank keeps.
+    pub fn moment_elems(&self) -> usize {
+        match self {
+            Optimizer::Full(o) => o.moments.iter().map(|m| m.m.len()).sum(),
+            Optimizer::Sharded(o) => o.m.iter().map(Vec::len).sum(),
+        }
+    }
 }
 
 #[cfg(test)]

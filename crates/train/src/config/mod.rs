@@ -211,7 +211,7 @@ impl<M: Model> TrainConfig<M> {
     }
 
     fn validate_with(&self, this_machine: bool) -> Result<(), TrainError> {
-        self.validate_zero()?;
+        savers::check_zero(self.zero)?;
         self.device.check()?;
         self.device_is_wired()?;
         let m = &self.model;
@@ -328,23 +328,6 @@ impl<M: Model> TrainConfig<M> {
         }
         debug_assert_eq!(world, self.world_size());
         Ok(())
-    }
-
-    /// `--zero`: stages 0, 1 and 2 are built; 3 (sharded parameters) is not yet.
-    fn validate_zero(&self) -> Result<(), TrainError> {
-        match self.zero {
-            0..=2 => Ok(()),
-            3 => Err(err!(
-                Config,
-                "--zero 3: ZeRO stage 3 is not implemented yet (sharded parameters); use \
-                 --zero 2 (sharded optimizer state and gradients), 1 or 0"
-            )),
-            z => Err(err!(
-                Config,
-                "--zero {z}: there is no ZeRO stage {z}; use 0 (off), 1 (sharded optimizer \
-                 state) or 2 (also sharded gradients)"
-            )),
-        }
     }
 
     /// The floating-point settings, each named as its flag (or its `--config` key).
@@ -472,33 +455,6 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.to_string().contains("unknown schedule"), "{e}");
-    }
-
-    #[test]
-    fn zero_stages_up_to_two_are_accepted_and_three_is_refused_first() {
-        for z in 0..=2 {
-            let c = TrainConfig {
-                zero: z,
-                dp: 2,
-                pp: 1,
-                batch: 8,
-                ..TrainConfig::default()
-            };
-            c.validate().unwrap();
-        }
-        // Refused before anything else is looked at (here: an impossible layout).
-        let e = err(|c| {
-            c.zero = 3;
-            c.tp = 3;
-        });
-        assert!(e.contains("ZeRO stage 3 is not implemented yet"), "{e}");
-        let e = err(|c| c.zero = 7);
-        assert!(e.contains("--zero 7: there is no ZeRO stage 7"), "{e}");
-        // Configurations and manifests written before the field existed are stage 0.
-        let c: TrainConfig = serde_json::from_str(r#"{"dp": 2}"#).unwrap();
-        assert_eq!(c.zero, 0);
-        let c: TrainConfig = serde_json::from_str(r#"{"zero": 2}"#).unwrap();
-        assert_eq!(c.zero, 2);
     }
 
     #[test]

@@ -1,4 +1,4 @@
-//! The memory savers a run can switch on: activation recomputation.
+//! The memory savers a run can switch on: activation recomputation and ZeRO.
 
 use serde::{Deserialize, Serialize};
 
@@ -58,8 +58,26 @@ impl std::str::FromStr for Recompute {
     }
 }
 
+/// `--zero`: stages 0, 1 and 2 are built; 3 (sharded parameters) is not yet.
+pub(super) fn check_zero(zero: u8) -> Result<(), TrainError> {
+    match zero {
+        0..=2 => Ok(()),
+        3 => Err(err!(
+            Config,
+            "--zero 3: ZeRO stage 3 is not implemented yet (sharded parameters); use \
+             --zero 2 (sharded optimizer state and gradients), 1 or 0"
+        )),
+        z => Err(err!(
+            Config,
+            "--zero {z}: there is no ZeRO stage {z}; use 0 (off), 1 (sharded optimizer \
+             state) or 2 (also sharded gradients)"
+        )),
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    use super::super::tests::{err, TrainConfig};
     use super::*;
 
     #[test]
@@ -69,5 +87,32 @@ mod tests {
         }
         let e = "some".parse::<Recompute>().unwrap_err().to_string();
         assert!(e.contains("`some`") && e.contains("selective"), "{e}");
+    }
+
+    #[test]
+    fn zero_stages_up_to_two_are_accepted_and_three_is_refused_first() {
+        for z in 0..=2 {
+            let c = TrainConfig {
+                zero: z,
+                dp: 2,
+                pp: 1,
+                batch: 8,
+                ..TrainConfig::default()
+            };
+            c.validate().unwrap();
+        }
+        // Refused before anything else is looked at (here: an impossible layout).
+        let e = err(|c| {
+            c.zero = 3;
+            c.tp = 3;
+        });
+        assert!(e.contains("ZeRO stage 3 is not implemented yet"), "{e}");
+        let e = err(|c| c.zero = 7);
+        assert!(e.contains("--zero 7: there is no ZeRO stage 7"), "{e}");
+        // Configurations and manifests written before the field existed are stage 0.
+        let c: TrainConfig = serde_json::from_str(r#"{"dp": 2}"#).unwrap();
+        assert_eq!(c.zero, 0);
+        let c: TrainConfig = serde_json::from_str(r#"{"zero": 2}"#).unwrap();
+        assert_eq!(c.zero, 2);
     }
 }
