@@ -452,6 +452,10 @@ impl Model for GptConfig {
             segments: layers.max(1),
             segment_input_per_token: d,
             segment_per_token: segment,
+            // The MLP's first product, or the head's.
+            largest_product: (4 * self.d_model / tp * self.d_model * (layers > 0) as usize)
+                .max(self.d_model * self.vocab_size.div_ceil(tp) * plan.head as usize),
+            fused_products: self.ops == OpsBackend::Fused,
             input_per_token: if plan.embed { 0.0 } else { d },
         });
         Ok(f)

@@ -243,6 +243,11 @@ pub struct Activations {
     pub segment_input_per_token: f64,
     /// The most one segment saves per token: what a recomputed backward holds at once.
     pub segment_per_token: f64,
+    /// The multiply-adds per token of the stage's largest matrix product (`n · k`), and
+    /// whether the fused ops compute it (`switchyard_ops::product_path` then says how):
+    /// what decides the matrix multiply's per-thread packing buffers.
+    pub largest_product: usize,
+    pub fused_products: bool,
 }
 
 /// A pipeline stage of a [`Model`] that, when it is the last stage, scores its output.

@@ -422,6 +422,15 @@ const SMALL_MAX: usize = 1 << 19;
 /// Products below this many multiply-adds run on one thread.
 const PARALLEL_MIN: usize = 1 << 21;
 
+/// Whether the fused ops compute an f32 product of `mnk` multiply-adds through the
+/// `gemm` crate on this CPU (which keeps an L2-sized packing buffer on each thread that
+/// runs one) rather than the small-product kernel (none), and whether it splits it over
+/// the threads of a compute pool: `(gemm, split)`. For memory estimates.
+pub fn product_path(mnk: usize) -> (bool, bool) {
+    let small = cfg!(target_arch = "x86_64") && avx512() && mnk <= SMALL_MAX;
+    (!small, !small && mnk >= PARALLEL_MIN)
+}
+
 /// The destination of [`matmul`]: written (`Uninit`: it may be uninitialised; `Set`:
 /// initialised, overwritten) or accumulated onto (`Add`).
 pub(crate) enum Dst<'a, T> {

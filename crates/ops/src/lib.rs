@@ -99,6 +99,7 @@ mod twins;
 pub use attention::{causal_attention_packed, causal_self_attention};
 pub use backend::{OpsBackend, ParseOpsBackendError};
 pub use gelu::gelu;
+pub use kernel::product_path;
 pub use linear::{linear, linear_gelu, linear_with, LinearOptions, Reduce};
 pub use loss::{cross_entropy, cross_entropy_parallel};
 pub use mlp::{attention_block, attention_block_with, mlp, mlp_with, PairOptions, PairWeights};

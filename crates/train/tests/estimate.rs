@@ -220,3 +220,24 @@ fn zero_is_predicted_within_ten_percent() {
     }
     assert!(worst <= 0.10, "worst error {:.1} %", 100.0 * worst);
 }
+
+/// A tiny GPT (d 32), whose products are small enough that the fused ops compute most of
+/// them without the matrix multiply's packing buffer, and split none over a pool: the
+/// buffers are predicted per product (on two threads, and with the vocabulary split).
+#[test]
+fn tiny_models_get_the_packing_buffers_their_products_use() {
+    let mut worst: f64 = 0.0;
+    for (layout, threads) in [
+        ((1, 1, 1), 1),
+        ((1, 1, 1), 2),
+        ((1, 1, 2), 1),
+        ((2, 1, 1), 1),
+    ] {
+        let mut c = cfg(layout, "1f1b", gpt(32, 2));
+        (c.seq_len, c.model.block_size) = (16, 16);
+        (c.microbatches, c.batch) = (1, 8 * layout.0);
+        c.threads_per_worker = threads;
+        worst = worst.max(worst_error(&c));
+    }
+    assert!(worst <= 0.10, "worst error {:.1} %", 100.0 * worst);
+}

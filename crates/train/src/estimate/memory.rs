@@ -75,10 +75,25 @@ pub fn scratch_per_thread() -> usize {
         .unwrap_or(2 << 20)
 }
 
-/// Whether products of `tokens` rows and `width` columns go through that buffer: measured
-/// with `gemm` 0.19 (smaller ones are packed in a buffer of their own size).
+/// Whether products of `tokens` rows and `width` columns go through that buffer when
+/// candle computes them (the composed ops): measured with `gemm` 0.19 (smaller ones are
+/// packed in a buffer of their own size).
 fn packs_through_scratch(tokens: usize, width: usize) -> bool {
     tokens >= 128 || width >= 128
+}
+
+/// Whether a stage's products give its rank's thread, and the other threads of its
+/// compute pool, the matrix multiply's packing buffer: `(rank thread, pool threads)`.
+/// The fused ops send small products to a kernel without one, and split only large ones
+/// over the pool (`switchyard_ops::product_path`).
+fn scratch_threads(a: &Activations, tokens: usize, width: usize) -> (bool, bool) {
+    match a.fused_products {
+        true => switchyard_ops::product_path(tokens * a.largest_product),
+        false => {
+            let packs = packs_through_scratch(tokens, width);
+            (packs, packs)
+        }
+    }
 }
 /// Bytes per element of parameters, gradients and activations (f32).
 const ELEM: usize = 4;
@@ -143,10 +158,7 @@ pub fn estimate_memory<M: Model>(cfg: &TrainConfig<M>) -> Result<Vec<RankEstimat
         n => n,
     };
     let width = cfg.model.width().unwrap_or(0);
-    let scratch = match packs_through_scratch(cfg.microbatch_size() * cfg.seq_len, width) {
-        true => scratch_per_thread(),
-        false => 0,
-    };
+    let rows = cfg.microbatch_size() * cfg.seq_len;
     // When each action runs (unit costs, as the report's prediction), to know how long a
     // gradient a rank sends back waits for the previous stage's backward: until then it
     // is the sender's memory.
@@ -237,11 +249,16 @@ pub fn estimate_memory<M: Model>(cfg: &TrainConfig<M>) -> Result<Vec<RankEstimat
             0 => OPT_PER_PARAM * params + BYTES_PER_TENSOR * tensors,
             _ => OPT_PER_PARAM * params.div_ceil(cfg.dp),
         };
+        let (on_rank, on_pool) = mine
+            .iter()
+            .map(|&s| scratch_threads(acts[s], rows, width))
+            .fold((false, false), |x, y| (x.0 || y.0, x.1 || y.1));
+        let scratch = |on: bool| if on { scratch_per_thread() } else { 0 };
         let fixed = Fixed {
             params: ELEM * params + BYTES_PER_TENSOR * tensors,
             optimizer,
-            other: ELEM * cache + scratch * threads.saturating_sub(1),
-            scratch,
+            other: ELEM * cache + scratch(on_pool) * threads.saturating_sub(1),
+            scratch: scratch(on_rank),
         };
         let bytes: BTreeMap<usize, StageBytes> = mine
             .iter()
