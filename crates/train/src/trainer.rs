@@ -84,7 +84,7 @@ pub fn train<M: Model>(
     cfg.validate()
         .and_then(|()| cfg.check_machine(cfg.world_size()))
         .map_err(|e| err!(Config, "invalid configuration: {e}"))?;
-    crate::estimate::memory::check_fits(cfg, cfg.world_size(), memory_info().available)?;
+    crate::estimate::fits::check_fits(cfg, cfg.world_size(), memory_info().available)?;
     let ctx = RankContext::prepare(cfg, data, opts)?;
     ctx.plan.apply()?;
     let mut launcher =
@@ -122,7 +122,7 @@ pub fn train_rank<M: Model>(
     }
     // Each process checks the budget (the node's memory is shared by processes it does
     // not know of: `check_machine` is the launcher's).
-    crate::estimate::memory::check_fits(cfg, 1, None)?;
+    crate::estimate::fits::check_fits(cfg, 1, None)?;
     let ctx = RankContext::prepare(cfg, data, opts)?;
     // Only rank 0 changes the checkpoint directory; the others wait for it.
     if world.rank() == 0 {
