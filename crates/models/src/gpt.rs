@@ -456,6 +456,15 @@ impl Model for GptConfig {
             largest_product: (4 * self.d_model / tp * self.d_model * (layers > 0) as usize)
                 .max(self.d_model * self.vocab_size.div_ceil(tp) * plan.head as usize),
             fused_products: self.ops == OpsBackend::Fused,
+            // The fused attention's backward: the scores and their gradients of one head
+            // (`T × T` each), the row sums and `kᵀ`, `vᵀ` (`switchyard_ops::attention`).
+            backward_scratch_per_thread: match (self.ops, layers) {
+                (OpsBackend::Fused, 1..) => {
+                    let hd = self.d_model / self.n_head;
+                    2 * seq_len * seq_len + seq_len + 2 * hd * seq_len
+                }
+                _ => 0,
+            },
             input_per_token: if plan.embed { 0.0 } else { d },
         });
         Ok(f)

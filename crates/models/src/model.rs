@@ -248,6 +248,9 @@ pub struct Activations {
     /// what decides the matrix multiply's per-thread packing buffers.
     pub largest_product: usize,
     pub fused_products: bool,
+    /// Elements of scratch each compute thread holds while the backward runs, whatever
+    /// the microbatch's size (the fused attention's `T × T` score blocks of one head).
+    pub backward_scratch_per_thread: usize,
 }
 
 /// A pipeline stage of a [`Model`] that, when it is the last stage, scores its output.

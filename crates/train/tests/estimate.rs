@@ -241,3 +241,24 @@ fn tiny_models_get_the_packing_buffers_their_products_use() {
     }
     assert!(worst <= 0.10, "worst error {:.1} %", 100.0 * worst);
 }
+
+/// Long sequences: the fused attention's backward holds two `T × T` score blocks per
+/// thread, which outgrow everything else a narrow model holds (at T 1024 they were a
+/// third of the peak, unpredicted, before the footprint counted them).
+#[test]
+fn long_sequences_count_the_attention_scratch() {
+    let mut worst: f64 = 0.0;
+    for (layout, s, r, threads) in [
+        ((1, 1, 1), "1f1b", Recompute::None, 1),
+        ((1, 1, 1), "1f1b", Recompute::None, 2),
+        ((1, 2, 1), "1f1b", Recompute::Full, 1),
+        ((1, 1, 2), "1f1b", Recompute::None, 1),
+    ] {
+        let mut c = cfg(layout, s, gpt(64, 2));
+        (c.seq_len, c.model.block_size) = (1024, 1024);
+        (c.microbatches, c.batch) = (2, 2);
+        (c.recompute, c.threads_per_worker, c.steps) = (r, threads, 1);
+        worst = worst.max(worst_error(&c));
+    }
+    assert!(worst <= 0.10, "worst error {:.1} %", 100.0 * worst);
+}

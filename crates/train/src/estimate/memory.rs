@@ -213,7 +213,7 @@ pub fn estimate_memory<M: Model>(cfg: &TrainConfig<M>) -> Result<Vec<RankEstimat
         StageBytes {
             grads: ELEM * f.params,
             saved,
-            backward,
+            backward: backward + ELEM * a.backward_scratch_per_thread * threads,
             largest: ELEM * f.largest,
             input: bytes(tokens * a.input_per_token),
         }
