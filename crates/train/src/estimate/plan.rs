@@ -230,22 +230,28 @@ impl Candidate {
 }
 
 /// Every layout of exactly `workers` workers for `base`'s model and batch: each
-/// factorisation `dp × pp × tp`, each generated schedule (interleaved with 2 virtual
-/// stages), and microbatches of 1 to 64 sequences that divide a replica's batch, at least
-/// `pp` of them; without memory savers ([`plan`] adds them where needed).
+/// factorisation `dp × pp × tp`, each generated schedule (interleaved with 2, 4 and 8
+/// virtual stages, as long as every stage gets a layer), and microbatches of 1 to 64
+/// sequences that divide a replica's batch, at least `pp` of them; without memory savers
+/// ([`plan`] adds them where needed).
 pub fn layouts<M: Model>(base: &TrainConfig<M>, workers: usize) -> Vec<Layout> {
+    let layers = base.model.costs(base.seq_len).blocks.len();
     let mut out = Vec::new();
     for dp in divisors(workers) {
         for pp in divisors(workers / dp) {
             let tp = workers / dp / pp;
             let schedules: Vec<ScheduleKind> = match pp {
                 1 => vec![ScheduleKind::OneFOneB],
-                _ => vec![
-                    ScheduleKind::GPipe,
-                    ScheduleKind::OneFOneB,
-                    ScheduleKind::Interleaved { virtual_stages: 2 },
-                    ScheduleKind::ZbH1,
-                ],
+                _ => [ScheduleKind::GPipe, ScheduleKind::OneFOneB]
+                    .into_iter()
+                    .chain(
+                        [2, 4, 8]
+                            .into_iter()
+                            .filter(|&v| v == 2 || pp * v <= layers)
+                            .map(|virtual_stages| ScheduleKind::Interleaved { virtual_stages }),
+                    )
+                    .chain([ScheduleKind::ZbH1])
+                    .collect(),
             };
             let per_replica = base.batch / dp.max(1);
             for schedule in schedules {
@@ -442,6 +448,20 @@ mod tests {
             assert!(!all.iter().any(|l| l.to_string() == never), "{never}");
         }
         assert!(all.iter().any(|l| l.to_string() == "dp1 pp2 tp2 1f1b m2"));
+        // More virtual stages while each gets a layer (4 layers: pp 2 × v 2, not v 4).
+        assert!(all
+            .iter()
+            .any(|l| l.to_string() == "dp1 pp2 tp2 interleaved v2 m4"));
+        assert!(!all.iter().any(|l| l.to_string().contains("v4")));
+        let deep = TrainConfig {
+            model: GptConfig::tiny(8),
+            ..base()
+        };
+        let deep = layouts(&deep, 4);
+        assert!(deep
+            .iter()
+            .any(|l| l.to_string() == "dp1 pp2 tp2 interleaved v4 m4"));
+        assert!(!deep.iter().any(|l| l.to_string().contains("v8")));
         // Without a budget or times: valid ones by memory, invalid last (interleaved
         // pp 4 needs 8 layers, the tiny GPT has 4).
         let ranked = plan(&b, 4, None, &|_| None);
