@@ -37,6 +37,7 @@ enum Command {
 }
 
 fn main() {
+    quiet_on_closed_pipe();
     switchyard::keep_freed_memory();
     cli::configure_threads_env();
     let cli = parse();
@@ -53,6 +54,25 @@ fn main() {
         eprintln!("error: {e:#}");
         std::process::exit(1);
     }
+}
+
+/// `switchyard plan | head` closes standard output before the table ends. Rust ignores
+/// SIGPIPE, so `print!` then panics; stop quietly instead, with the status of a Unix tool
+/// that SIGPIPE ended (128 + 13). Every other panic goes to the default hook.
+fn quiet_on_closed_pipe() {
+    let default = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let payload = info.payload();
+        let msg = payload
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| payload.downcast_ref::<&str>().copied())
+            .unwrap_or("");
+        if msg.starts_with("failed printing to stdout") && msg.contains("Broken pipe") {
+            std::process::exit(141);
+        }
+        default(info);
+    }));
 }
 
 /// The command line. Every subcommand takes negative numbers (`--lr -1`) as values, so

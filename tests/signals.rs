@@ -1,6 +1,7 @@
 //! Ctrl-C and SIGTERM sent to a `switchyard train` child process: it finishes the step,
 //! saves a checkpoint, says how to resume, exits 130 / 143, and the printed command
-//! continues the run.
+//! continues the run. And a reader that closes the pipe early (`switchyard plan | head`):
+//! a quiet exit 141, no panic.
 
 mod common;
 
@@ -141,4 +142,41 @@ fn a_second_signal_exits_at_once_without_saving() {
     assert!(code == Some(130) || code == Some(143), "{code:?}\n{err}");
     assert!(!err.contains("stopped by"), "{err}");
     assert!(!err.contains("saved the checkpoint"), "{err}");
+}
+
+/// `switchyard plan --json | head -c 10`: the output (about 100 KiB, more than a pipe
+/// holds) meets a closed pipe. The command stops with SIGPIPE's status and says nothing.
+#[test]
+fn a_closed_pipe_ends_the_output_quietly() {
+    use std::io::Read;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_switchyard"))
+        .args([
+            "plan",
+            "--workers",
+            "4",
+            "--layers",
+            "8",
+            "--d-model",
+            "256",
+            "--heads",
+            "8",
+            "--seq-len",
+            "128",
+            "--batch",
+            "32",
+            "--top",
+            "0",
+            "--json",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut head = [0u8; 10];
+    child.stdout.take().unwrap().read_exact(&mut head).unwrap();
+    // The read end is closed here, with most of the output unread.
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(141), "{stderr}");
+    assert!(stderr.is_empty(), "{stderr}");
 }
