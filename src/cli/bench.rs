@@ -142,13 +142,16 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
             .collect();
         eprintln!(
             "  time model ({}, calibrated): a part per thread {}; second thread at the largest \
-             size; p2p {:.1} µs + {:.1} GB/s, all-reduce {:.1} µs + {:.1} GB/s",
+             size; p2p {:.1} µs + {:.1} GB/s, all-reduce {:.1} µs + {:.1} GB/s; a step {:.0} µs \
+             + {:.0} µs with several workers",
             ops.name(),
             curves.join(", "),
             tm.p2p.alpha_s * 1e6,
             tm.p2p.bytes_per_s / 1e9,
             tm.collective.alpha_s * 1e6,
             tm.collective.bytes_per_s / 1e9,
+            tm.step_overhead_s * 1e6,
+            tm.world_overhead_s * 1e6,
         );
     }
     eprintln!("  calibration took {:.1} s", t0.elapsed().as_secs_f64());

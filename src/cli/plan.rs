@@ -417,14 +417,15 @@ fn explain(
                     .unwrap_or_default()
             );
             println!(
-                "    pipeline {:.1} ms (compute {:.1}, tensor-parallel all-reduces {:.1}, messages {:.1}; bubble {:.1} %), data-parallel all-reduce {:.1} ms, optimizer {:.1} ms",
+                "    pipeline {:.1} ms (compute {:.1}, tensor-parallel all-reduces {:.1}, messages {:.1}; bubble {:.1} %), data-parallel all-reduce {:.1} ms, optimizer {:.1} ms, fixed cost {:.1} ms",
                 t.pipeline_s * 1e3,
                 t.compute_s * 1e3,
                 t.tp_comm_s * 1e3,
                 t.p2p_s * 1e3,
                 100.0 * t.bubble_fraction,
                 t.dp_allreduce_s * 1e3,
-                t.optimizer_s * 1e3
+                t.optimizer_s * 1e3,
+                t.overhead_s * 1e3
             );
         }
         None => println!("  no step time: give --calibrate or --time-model"),

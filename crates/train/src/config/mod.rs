@@ -104,8 +104,15 @@ impl<M: Default> Default for TrainConfig<M> {
     /// The README's run, with the model's default config: pipeline and tensor
     /// parallelism on 2 cores.
     fn default() -> Self {
+        TrainConfig::with_model(M::default())
+    }
+}
+
+impl<M> TrainConfig<M> {
+    /// The README's run's settings for `model` (see [`Default`]).
+    pub fn with_model(model: M) -> Self {
         TrainConfig {
-            model: M::default(),
+            model,
             dp: 1,
             pp: 2,
             tp: 2,

@@ -12,9 +12,11 @@ use switchyard_models::{plan_stages, Model, ModelStage, SplitSpec};
 use switchyard_pipeline::Stage;
 use switchyard_shard::{single_device, ParamSource, ParamStore};
 
-use super::time::{stage_flops, AlphaBeta, PartCurve, TimeModel};
+use super::time::{predict_step_time, stage_flops, AlphaBeta, PartCurve, TimeModel};
+use crate::data::Corpus;
 use crate::error::{err, TrainError};
 use crate::optim::{AdamW, AdamWConfig};
+use crate::{TrainConfig, TrainOptions};
 
 impl TimeModel {
     /// Measures this machine's rates in a few seconds. `probe(d, T)` is a small model of
@@ -25,7 +27,8 @@ impl TimeModel {
     /// at one size (`φ`); AdamW with the gradient norm and clipping over a million
     /// parameters in 4 and in 256 tensors (`a`, `a_t`); messages and all-reduces of
     /// three sizes between two ranks of the in-process threads backend (`α`, `β`, least
-    /// squares).
+    /// squares); a step's fixed costs, by training a model of almost no FLOPs on one
+    /// worker and on two (`o_step`, `o_world`).
     pub fn calibrate<M: Model>(
         probe: impl Fn(usize, usize) -> M + Sync,
     ) -> Result<TimeModel, TrainError> {
@@ -103,7 +106,7 @@ impl TimeModel {
         let optimizer_s_per_param = few / (1 << 20) as f64;
         let optimizer_s_per_tensor = ((many - few) / 252.0).max(0.0);
         let (p2p, collective) = time_comm()?;
-        Ok(TimeModel {
+        let mut tm = TimeModel {
             flops_per_s_per_thread: curves[curves.len() - 1].rate(),
             overhead_per_part_s: curves[0].overhead(),
             curves,
@@ -113,8 +116,47 @@ impl TimeModel {
             p2p,
             collective,
             dp_collective: None,
-        })
+            step_overhead_s: 0.0,
+            world_overhead_s: 0.0,
+        };
+        // A step's fixed costs: what training a model of almost no FLOPs takes beyond
+        // what the rest of the model predicts for it, on one worker, then on two.
+        tm.step_overhead_s = step_overhead(&probe, 1, &tm)?;
+        if two_cores {
+            tm.world_overhead_s = step_overhead(&probe, 2, &tm)?;
+        }
+        Ok(tm)
     }
+}
+
+/// How much longer than `tm` predicts a training step of `dp` data-parallel workers
+/// (one thread each) takes on a model of almost no FLOPs (`probe(16, 8)`, 2 sequences of
+/// 8 tokens a replica): the faster of two runs' medians over 15 steps after 5, at least 0.
+fn step_overhead<M: Model>(
+    probe: &impl Fn(usize, usize) -> M,
+    dp: usize,
+    tm: &TimeModel,
+) -> Result<f64, TrainError> {
+    let cfg = TrainConfig {
+        dp,
+        pp: 1,
+        tp: 1,
+        microbatches: 1,
+        batch: 2 * dp,
+        seq_len: 8,
+        steps: 20,
+        threads_per_worker: 1,
+        ..TrainConfig::with_model(probe(16, 8))
+    };
+    let predicted = predict_step_time(&cfg, tm)?.seconds;
+    let run = || -> Result<f64, TrainError> {
+        let report = crate::train(&cfg, &Corpus::bundled(), &TrainOptions::default())?;
+        Ok(median(
+            report.steps.iter().skip(5).map(|s| s.seconds).collect(),
+        ))
+    };
+    let measured = run()?.min(run()?);
+    Ok((measured - predicted).max(0.0))
 }
 
 /// The fastest of at least `reps` timings of `f`, in seconds, after one untimed run;

@@ -53,8 +53,11 @@
 //!   ([`Model::param_shapes`]) times the rank's share of the model's FLOPs, over `tp`
 //!   for `N_r` (every tensor-parallel rank holds a shard of every tensor).
 //!
-//! Step time `= M + max_r (A_dp + N_r · a + K_r · a_t) + [workers > 1] · α_c` (`A_dp =
-//! 0` without data parallelism).
+//! Step time `= M + max_r (A_dp + N_r · a + K_r · a_t) + [workers > 1] · (α_c + o_world)
+//! + o_step` (`A_dp = 0` without data parallelism), `o_step` and `o_world` the fixed
+//! costs of a step on one worker and on several, measured by training a model of almost
+//! no FLOPs (what the rest of this model predicts for it taken off): a tenth of a
+//! millisecond each, which matters only to steps of a few milliseconds.
 //!
 //! A model whose [`Model::costs`] are relative weights rather than FLOPs (the trait's
 //! default) gets times in those units divided by the rate: meaningless. The GPT's are
@@ -189,6 +192,15 @@ pub struct TimeModel {
     /// cluster whose replicas span nodes).
     #[serde(default)]
     pub dp_collective: Option<AlphaBeta>,
+    /// Seconds a training step costs besides its parts, its messages and its optimizer
+    /// (`o_step`: cutting the batch, building the executor, collecting the gradients, the
+    /// bookkeeping of the report), measured on one worker.
+    #[serde(default)]
+    pub step_overhead_s: f64,
+    /// What a step of several workers costs on top of `o_step` (`o_world`: waking the
+    /// ranks' threads at each collective and message beyond what `α` counts).
+    #[serde(default)]
+    pub world_overhead_s: f64,
 }
 
 /// A predicted step, in seconds, with where the time goes.
@@ -210,6 +222,9 @@ pub struct StepTime {
     pub optimizer_s: f64,
     /// The simulated pipeline's idle fraction over all its ranks.
     pub bubble_fraction: f64,
+    /// The step's fixed cost, `o_step` and, with several workers, `o_world`.
+    #[serde(default)]
+    pub overhead_s: f64,
 }
 
 /// Predicts the wall time of one training step of `cfg` on a machine with rates `tm`
@@ -346,8 +361,9 @@ pub fn predict_step_time<M: Model>(
         0.0
     };
     let pipeline_s = timeline.makespan;
+    let overhead_s = tm.step_overhead_s + if shared { tm.world_overhead_s } else { 0.0 };
     Ok(StepTime {
-        seconds: pipeline_s + slowest.0 + slowest.1 + gather,
+        seconds: pipeline_s + slowest.0 + slowest.1 + gather + overhead_s,
         pipeline_s,
         compute_s: ranks.get(busiest).map_or(0.0, |r| r.0),
         tp_comm_s: ranks.get(busiest).map_or(0.0, |r| r.1),
@@ -355,6 +371,7 @@ pub fn predict_step_time<M: Model>(
         dp_allreduce_s: slowest.0,
         optimizer_s: slowest.1,
         bubble_fraction: timeline.bubble_fraction,
+        overhead_s,
     })
 }
 
@@ -393,6 +410,8 @@ impl TimeModel {
             forward_fraction: 1.0 / 3.0,
             optimizer_s_per_param: 0.0,
             optimizer_s_per_tensor: 0.0,
+            step_overhead_s: 0.0,
+            world_overhead_s: 0.0,
             p2p: AlphaBeta {
                 alpha_s: 0.0,
                 bytes_per_s: 1e15,
@@ -500,6 +519,25 @@ mod tests {
         let mut flat = tm();
         flat.curves[0].thread_efficiency = vec![0.0, 0.0];
         assert_eq!(predict_step_time(&two, &flat).unwrap().seconds, s.seconds);
+    }
+
+    #[test]
+    fn a_step_pays_its_fixed_costs_once() {
+        let fixed = TimeModel {
+            step_overhead_s: 1e-3,
+            world_overhead_s: 2e-3,
+            ..tm()
+        };
+        for (workers, overhead) in [
+            (cfg(1, 1, 1), 1e-3),
+            (cfg(2, 1, 1), 3e-3),
+            (cfg(1, 2, 1), 3e-3),
+        ] {
+            let with = predict_step_time(&workers, &fixed).unwrap();
+            let without = predict_step_time(&workers, &tm()).unwrap();
+            assert!((with.overhead_s - overhead).abs() < 1e-15, "{with:?}");
+            assert!((with.seconds - without.seconds - overhead).abs() < 1e-12);
+        }
     }
 
     #[test]
