@@ -177,7 +177,15 @@ pub fn estimate_memory<M: Model>(cfg: &TrainConfig<M>) -> Result<Vec<RankEstimat
         .map(|t| ((t.action.stage, t.action.microbatch), t.end))
         .collect();
     let bytes = |elems: f64| (ELEM as f64 * elems) as usize;
-    let per_stage = |f: &Footprint, a: &Activations| {
+    // A stage before the last injects the gradient it receives, `g`, by back-propagating
+    // `Σ out ⊙ g`: the product, the output's gradient and a contiguous copy of it, each
+    // the size of the output (the next stage's input).
+    let injected = |s: usize| {
+        acts.get(s + 1)
+            .map_or(0.0, |next| 3.0 * next.input_per_token)
+    };
+    let per_stage = |s: usize| {
+        let (f, a): (&Footprint, &Activations) = (&feet[s], acts[s]);
         let (saved, backward) = match cfg.recompute {
             // The executor keeps a stage's input as a variable of its own (a copy) to
             // take its gradient.
@@ -213,7 +221,9 @@ pub fn estimate_memory<M: Model>(cfg: &TrainConfig<M>) -> Result<Vec<RankEstimat
         StageBytes {
             grads: ELEM * f.params,
             saved,
-            backward: backward + ELEM * a.backward_scratch_per_thread * threads,
+            backward: backward
+                + bytes(tokens * injected(s))
+                + ELEM * a.backward_scratch_per_thread * threads,
             largest: ELEM * f.largest,
             input: bytes(tokens * a.input_per_token),
         }
@@ -258,10 +268,7 @@ pub fn estimate_memory<M: Model>(cfg: &TrainConfig<M>) -> Result<Vec<RankEstimat
             other: ELEM * cache + scratch(on_pool) * threads.saturating_sub(1),
             scratch: scratch(on_rank),
         };
-        let bytes: BTreeMap<usize, StageBytes> = mine
-            .iter()
-            .map(|&s| (s, per_stage(&feet[s], acts[s])))
-            .collect();
+        let bytes: BTreeMap<usize, StageBytes> = mine.iter().map(|&s| (s, per_stage(s))).collect();
         let mut t = Timeline::new(fixed);
         let mut kept: BTreeMap<usize, bool> = mine.iter().map(|&s| (s, false)).collect();
         // Gradients this rank sent back: (bytes, until when the receiver holds them).
