@@ -1,0 +1,237 @@
+//! The time model's formulas on round numbers ([`super::predict_step_time`]).
+
+use super::*;
+use switchyard_models::GptConfig;
+use switchyard_schedule::{simulate, ScheduleChoice, ScheduleKind};
+
+/// Round numbers: 1 GFLOP/s a thread, no overhead, 1 ms and 1 GB/s per collective.
+fn tm() -> TimeModel {
+    let mut tm = TimeModel::linear(1e9, 0.0);
+    tm.curves[0].thread_efficiency = vec![1.0, 1.0];
+    TimeModel {
+        p2p: AlphaBeta {
+            alpha_s: 0.0,
+            bytes_per_s: 1e9,
+        },
+        collective: AlphaBeta {
+            alpha_s: 1e-3,
+            bytes_per_s: 1e9,
+        },
+        ..tm
+    }
+}
+
+fn cfg(dp: usize, pp: usize, tp: usize) -> TrainConfig<GptConfig> {
+    TrainConfig {
+        model: GptConfig::tiny(4),
+        dp,
+        pp,
+        tp,
+        schedule: ScheduleChoice::Named(ScheduleKind::OneFOneB),
+        microbatches: 4,
+        batch: 8,
+        seq_len: 16,
+        threads_per_worker: 1,
+        ..TrainConfig::default()
+    }
+}
+
+fn flops_per_step(c: &TrainConfig<GptConfig>) -> f64 {
+    let k = c.model.costs(c.seq_len);
+    c.tokens_per_step() as f64 * (k.embed + k.blocks.iter().sum::<f64>() + k.head)
+}
+
+#[test]
+fn one_worker_is_its_flops_over_the_rate() {
+    let c = cfg(1, 1, 1);
+    let s = predict_step_time(&c, &tm()).unwrap();
+    let want = flops_per_step(&c) / 1e9;
+    assert!((s.seconds - want).abs() < 1e-12 * want, "{s:?} {want}");
+    assert_eq!((s.tp_comm_s, s.p2p_s, s.dp_allreduce_s), (0.0, 0.0, 0.0));
+    assert_eq!(s.bubble_fraction, 0.0);
+    // Two threads at full efficiency halve it; at none they do nothing.
+    let two = TrainConfig {
+        threads_per_worker: 2,
+        ..c.clone()
+    };
+    let half = predict_step_time(&two, &tm()).unwrap().seconds;
+    assert!((half - want / 2.0).abs() < 1e-12 * want);
+    let mut flat = tm();
+    flat.curves[0].thread_efficiency = vec![0.0, 0.0];
+    assert_eq!(predict_step_time(&two, &flat).unwrap().seconds, s.seconds);
+}
+
+#[test]
+fn a_step_pays_its_fixed_costs_once() {
+    let fixed = TimeModel {
+        step_overhead_s: 1e-3,
+        world_overhead_s: 2e-3,
+        ..tm()
+    };
+    for (workers, overhead) in [
+        (cfg(1, 1, 1), 1e-3),
+        (cfg(2, 1, 1), 3e-3),
+        (cfg(1, 2, 1), 3e-3),
+    ] {
+        let with = predict_step_time(&workers, &fixed).unwrap();
+        let without = predict_step_time(&workers, &tm()).unwrap();
+        assert!((with.overhead_s - overhead).abs() < 1e-15, "{with:?}");
+        assert!((with.seconds - without.seconds - overhead).abs() < 1e-12);
+    }
+}
+
+#[test]
+fn doubling_tp_halves_compute_and_adds_the_all_reduces() {
+    let (one, two) = (cfg(1, 1, 1), cfg(1, 1, 2));
+    let a = predict_step_time(&one, &tm()).unwrap();
+    let b = predict_step_time(&two, &tm()).unwrap();
+    assert!((b.compute_s - a.compute_s / 2.0).abs() < 1e-12);
+    // Per microbatch: 4 layers × (2 + 2) all-reduces of n · d · 4 bytes, the
+    // embeddings' and the head's backward one more each, the loss's two of n · 4.
+    let n = (two.microbatch_size() * two.seq_len) as f64;
+    let act = 1e-3 + n * 32.0 * 4.0 / 1e9;
+    let want = 4.0 * (4.0 * 4.0 * act + 2.0 * act + 2.0 * (1e-3 + n * 4.0 / 1e9));
+    assert!((b.tp_comm_s - want).abs() < 1e-12, "{} {want}", b.tp_comm_s);
+    // And the world's all-gather of the losses: one latency.
+    assert!((b.seconds - (a.seconds / 2.0 + want + 1e-3)).abs() < 1e-9);
+}
+
+#[test]
+fn a_pipeline_bubble_is_the_simulators() {
+    // A wide model with a small vocabulary: the head and embeddings are nearly free.
+    let c = TrainConfig {
+        model: GptConfig {
+            vocab_size: 8,
+            d_model: 64,
+            ..GptConfig::tiny(4)
+        },
+        ..cfg(1, 2, 1)
+    };
+    let s = predict_step_time(&c, &tm()).unwrap();
+    // Each stage by hand: its FLOPs over the rate, a third forward; messages of
+    // n · d · 4 bytes at 1 GB/s, half to the send and half to the receive.
+    let k = c.model.costs(c.seq_len);
+    let n = (c.microbatch_size() * c.seq_len) as f64;
+    let stage = |extra: f64| {
+        let t = n * (2.0 * k.blocks[0] + extra) / 1e9;
+        let b = 2.0 * t / 3.0;
+        Costs {
+            f: t / 3.0,
+            b,
+            i: b / 2.0,
+            w: b / 2.0,
+            comm: n * 64.0 * 4.0 / 1e9 / 2.0,
+        }
+    };
+    let program = c.program().unwrap();
+    let sim = simulate_by_stage(&program, &[stage(k.embed), stage(k.head)]).unwrap();
+    assert!((s.pipeline_s - sim.makespan).abs() < 1e-12 * sim.makespan);
+    assert!((s.bubble_fraction - sim.bubble_fraction).abs() < 1e-12);
+    // Which is close to the textbook (p − 1)/(m + p − 1) of even stages.
+    let even = simulate(&program, &Costs::default()).unwrap();
+    assert!((even.bubble_fraction - 1.0 / 5.0).abs() < 1e-12);
+    assert!(
+        (s.bubble_fraction - even.bubble_fraction).abs() < 0.02,
+        "{s:?}"
+    );
+    assert!(s.p2p_s > 0.0);
+}
+
+#[test]
+fn data_parallel_adds_the_gradient_all_reduce() {
+    let s = predict_step_time(&cfg(2, 1, 1), &tm()).unwrap();
+    let one = predict_step_time(&cfg(1, 1, 1), &tm()).unwrap();
+    let bytes = 4.0 * GptConfig::tiny(4).param_count() as f64;
+    let want = 1e-3 + bytes / 1e9;
+    assert!((s.dp_allreduce_s - want).abs() < 1e-12, "{s:?}");
+    assert!((s.seconds - (one.seconds / 2.0 + want + 1e-3)).abs() < 1e-9);
+    // The step's end: per parameter and per tensor, on every replica.
+    let tm = TimeModel {
+        optimizer_s_per_param: 1e-9,
+        optimizer_s_per_tensor: 1e-6,
+        ..tm()
+    };
+    let shapes = Model::param_shapes(&GptConfig::tiny(4)).unwrap();
+    let want = bytes / 4.0 * 1e-9 + shapes.len() as f64 * 1e-6;
+    let s = predict_step_time(&cfg(2, 1, 1), &tm).unwrap();
+    assert!((s.optimizer_s - want).abs() < 1e-12, "{s:?} {want}");
+}
+
+#[test]
+fn a_part_is_timed_on_the_measured_curves() {
+    let narrow = PartCurve {
+        width: 16,
+        points: vec![(1e6, 2e-3), (2e6, 3e-3), (4e6, 4e-3)],
+        thread_efficiency: vec![0.0, 0.5, 1.0],
+        concurrent_slowdown: vec![1.0, 1.5, 2.0],
+    };
+    let tm = TimeModel {
+        curves: vec![narrow.clone()],
+        ..TimeModel::linear(1.0, 0.0)
+    };
+    let close = |a: f64, b: f64| (a - b).abs() < 1e-15;
+    let at = |x: f64, t: usize| tm.part_seconds(Some(16), x, t, false);
+    // At and between the points; below the first along the first two's line (from
+    // o = 1 ms), above the last in proportion.
+    assert!(close(narrow.overhead(), 1e-3) && close(narrow.rate(), 1e9));
+    assert!(close(at(2e6, 1), 3e-3));
+    assert!(close(at(3e6, 1), 3.5e-3));
+    assert!(close(at(0.0, 1), 1e-3));
+    assert!(close(at(5e5, 1), 1.5e-3));
+    assert!(close(at(8e6, 1), 8e-3));
+    // A second thread: nothing on the smallest, half of its time on the largest,
+    // interpolated between, the largest's beyond.
+    assert!(close(at(1e6, 2), 2e-3));
+    assert!(close(at(3e6, 2), 3.5e-3 / 1.75));
+    assert!(close(at(8e6, 3), 8e-3 / 3.0));
+    // Sharing the machine with other workers: slower by c, interpolated the same way.
+    assert!(close(
+        tm.part_seconds(Some(16), 3e6, 1, true),
+        3.5e-3 * 1.75
+    ));
+    assert!(close(tm.part_seconds(Some(16), 8e6, 1, true), 8e-3 * 2.0));
+    // Two widths: geometric interpolation between them, the nearest outside.
+    let wide = PartCurve {
+        width: 64,
+        points: vec![(1e6, 1e-3), (4e6, 2e-3)],
+        thread_efficiency: vec![0.0, 0.0],
+        concurrent_slowdown: Vec::new(),
+    };
+    let tm = TimeModel {
+        curves: vec![narrow, wide],
+        ..tm
+    };
+    let x = 4e6;
+    assert!(close(tm.part_seconds(Some(32), x, 1, false), 3e-3));
+    assert!(close(tm.part_seconds(Some(8), x, 1, false), 4e-3));
+    assert!(close(tm.part_seconds(Some(128), x, 1, false), 2e-3));
+    assert!(close(tm.part_seconds(None, x, 1, false), 2e-3));
+}
+
+#[test]
+fn a_line_and_an_alpha_beta_fit_exact_points() {
+    let ab = AlphaBeta::fit(&[(0.0, 1e-6), (1e6, 1e-6 + 1e-3), (2e6, 1e-6 + 2e-3)]);
+    assert!((ab.alpha_s - 1e-6).abs() < 1e-15 && (ab.bytes_per_s - 1e9).abs() < 1.0);
+    assert_eq!(ab.all_reduce(1e6, 1), 0.0);
+    assert!((ab.all_reduce(1e6, 4) - (3e-6 + 1.5e-3)).abs() < 1e-12);
+    let json = serde_json::to_string(&tm()).unwrap();
+    assert_eq!(serde_json::from_str::<TimeModel>(&json).unwrap(), tm());
+}
+
+#[test]
+fn a_layout_that_cannot_run_is_refused() {
+    let e = predict_step_time(&cfg(1, 1, 3), &tm())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("--tp 3"), "{e}");
+    let e = predict_step_time(
+        &TrainConfig {
+            batch: 6,
+            ..cfg(1, 1, 1)
+        },
+        &tm(),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("does not split"), "{e}");
+}
