@@ -73,7 +73,7 @@ impl Preset {
         let (m, batch, t, warmup, steps) = match name {
             "reference" => (model(256, 8, 8, 128), 32, 128, 2, 5),
             "small" => (model(128, 4, 4, 64), 16, 64, 2, 5),
-            "tiny" => (model(32, 2, 4, 16), 8, 16, 1, 2),
+            "tiny" => (model(32, 2, 4, 16), 8, 16, 5, 20),
             other => {
                 return Err(BenchError::Preset(format!(
                     "unknown preset {other}: use reference, small or tiny"

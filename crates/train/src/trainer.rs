@@ -394,6 +394,12 @@ fn run_rank<M: Model>(
         if let Some(sink) = sink.as_mut() {
             sink.step(&StepRecord::of(cfg, &m));
         }
+        // Every action's times are kept for the trace only: without one, a long run
+        // would hold them all (about 1 KiB a step on the tiny GPT with 8 microbatches,
+        // growing with actions per step).
+        if opts.trace.is_none() {
+            m.exec.events = Vec::new();
+        }
         steps.push(m);
         let stop = done < cfg.steps && stop_requested(&worker, opts.stop.as_deref())?;
         if let Some(dir) = &opts.checkpoint_dir {

@@ -137,3 +137,27 @@ fn zero_shards_the_optimizer_state_over_the_replicas() {
         }
     }
 }
+
+/// A long run holds what a short one does: the executor's per-action times are kept only
+/// for a trace (they were kept for every step, about 1 KiB a step here, in the gradients
+/// category). The report's own per-step records (loss, time, ...) do grow, in `other`.
+#[test]
+fn a_long_run_holds_no_more_gradients_than_a_short_one() {
+    let mut c = cfg(1, 2, 1);
+    c.microbatches = 8;
+    let gradients = |steps: usize| -> Vec<usize> {
+        let c = TrainConfig { steps, ..c.clone() };
+        memory(&c)
+            .iter()
+            .map(|m| m.bytes_by_category["gradients"])
+            .collect()
+    };
+    let (short, long) = (gradients(5), gradients(80));
+    for (s, l) in short.iter().zip(&long) {
+        // A few hundred bytes of allocator noise, not 75 steps of action times.
+        assert!(
+            l.abs_diff(*s) < 4096,
+            "5 steps: {short:?} B, 80 steps: {long:?} B"
+        );
+    }
+}
