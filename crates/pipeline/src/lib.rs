@@ -80,9 +80,14 @@
 mod error;
 mod executor;
 mod stage;
+mod synthetic;
 
 pub use error::PipelineError;
 pub use executor::{
     step_bubbles, CheckedProgram, Executor, Microbatches, StepOutput, StepStats, TraceEvent,
 };
 pub use stage::{ModuleStage, Stage};
+pub use synthetic::{
+    run_synthetic, timeline_difference, SyntheticClock, SyntheticComm, SyntheticMode, SyntheticRun,
+    SyntheticStage,
+};
