@@ -23,7 +23,11 @@
 //!   tests use this mode.
 //! * [`SyntheticMode::Sleep`]: every action sleeps `cost × unit` of wall time (a send
 //!   sleeps before it sends; a receive sleeps after its message arrives), and the timeline
-//!   is read from the executor's own trace. This shows real timing, threads, channels and
+//!   is read from the executor's own trace. A rank sleeps to deadlines: an action ends
+//!   `cost × unit` after the previous action's deadline (or after its message arrived),
+//!   so the timer's overshoot does not add up over thousands of actions; the wake-up
+//!   of a rank blocked on a message still counts, as do the executor's own costs where
+//!   they exceed an action's slack. This shows real timing, threads, channels and
 //!   scheduler included; it is what `switchyard schedule --execute` runs by default.
 //!
 //! The activations and gradients are tiny `[time, microbatch]` tensors: a candle
@@ -75,6 +79,8 @@ struct ClockState {
     log: Vec<(f64, f64)>,
     /// Time spent on message costs, in cost units (both modes).
     comm: f64,
+    /// When the last action is due to end (sleep mode).
+    deadline: Option<Instant>,
 }
 
 impl ClockState {
@@ -130,7 +136,7 @@ impl SyntheticClock {
                 st.charge(start, cost)
             }
             SyntheticMode::Sleep { unit } => {
-                std::thread::sleep(unit.mul_f64(cost));
+                self.sleep(unit, cost, None);
                 0.0
             }
         }
@@ -146,7 +152,8 @@ impl SyntheticClock {
                 st.charge(start, cost)
             }
             SyntheticMode::Sleep { unit } => {
-                self.sleep_comm(unit, cost);
+                let spent = self.sleep(unit, cost, None);
+                self.lock().comm += spent;
                 0.0
             }
         }
@@ -161,15 +168,37 @@ impl SyntheticClock {
                 st.comm += cost;
                 st.charge(start, cost);
             }
-            SyntheticMode::Sleep { unit } => self.sleep_comm(unit, cost),
+            SyntheticMode::Sleep { unit } => {
+                let spent = self.sleep(unit, cost, Some(Instant::now()));
+                self.lock().comm += spent;
+            }
         }
     }
 
-    fn sleep_comm(&self, unit: Duration, cost: f64) {
-        let t0 = Instant::now();
-        std::thread::sleep(unit.mul_f64(cost));
-        let slept = t0.elapsed().as_secs_f64() / unit.as_secs_f64().max(1e-12);
-        self.lock().comm += slept;
+    /// Sleeps until the action's deadline: `cost × unit` after the previous action's
+    /// deadline, or after `arrived` (a message's arrival) when that is later. Sleeping
+    /// to a deadline rather than for a duration keeps the timer's overshoot (tens of
+    /// microseconds per sleep) from adding up over a rank's thousands of actions, as a
+    /// device running at a fixed speed would. Returns the time spent, in cost units,
+    /// from the later of the call and `arrived` on.
+    fn sleep(&self, unit: Duration, cost: f64, arrived: Option<Instant>) -> f64 {
+        let now = Instant::now();
+        let from = arrived.map_or(now, |a| a.max(now));
+        let start = {
+            let st = self.lock();
+            match (st.deadline, arrived) {
+                (Some(d), Some(a)) => d.max(a),
+                (Some(d), None) => d,
+                (None, _) => from,
+            }
+        };
+        let end = start + unit.mul_f64(cost);
+        let now = Instant::now();
+        if end > now {
+            std::thread::sleep(end - now);
+        }
+        self.lock().deadline = Some(end);
+        from.elapsed().as_secs_f64() / unit.as_secs_f64()
     }
 }
 
