@@ -155,3 +155,26 @@ fn an_invalid_program_is_refused() {
     let err = run_synthetic(&program, &[Costs::default(); 3], SyntheticMode::Virtual).unwrap_err();
     assert!(err.to_string().contains("3 stage costs"), "{err}");
 }
+
+/// Sleep mode runs the same program with real sleeps, timed by the executor's trace.
+/// Nothing about its timing is asserted (the machine may be loaded): only that every
+/// action was timed, in order, and the quantities are consistent.
+#[test]
+fn sleep_mode_times_every_action_from_the_trace() {
+    let program = generate(ScheduleKind::ZbH1, 4, 4).unwrap();
+    let unit = std::time::Duration::from_micros(100);
+    let c = costs("F=1,I=1,W=1,comm=0.5");
+    let run = run_synthetic(&program, &[c], SyntheticMode::Sleep { unit }).unwrap();
+    let x = &run.measured;
+    assert_eq!(x.ranks.len(), 4);
+    for (s, m) in run.simulated.ranks.iter().zip(&x.ranks) {
+        let got: Vec<Action> = m.actions.iter().map(|a| a.action).collect();
+        let want: Vec<Action> = s.actions.iter().map(|a| a.action).collect();
+        assert_eq!(got, want);
+        assert!(m.actions.iter().all(|a| a.start >= 0.0 && a.end >= a.start));
+        assert!(m.busy > 0.0 && m.comm > 0.0 && m.idle >= 0.0);
+        assert!((0.0..1.0).contains(&m.bubble_fraction));
+    }
+    assert!(x.makespan > 0.0);
+    assert_eq!(run.simulated.peak_activations(), x.peak_activations());
+}
