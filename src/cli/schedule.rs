@@ -143,9 +143,10 @@ fn render_execution(run: &SyntheticRun, mode: SyntheticMode) -> String {
     };
     let _ = writeln!(
         t,
-        "executed with synthetic stages on {} threads (one per rank), {how}: {} stages, {} \
+        "executed with synthetic stages on {} thread{} (one per rank), {how}: {} stages, {} \
          microbatches, costs {}",
         sim.num_ranks(),
+        if sim.num_ranks() == 1 { "" } else { "s" },
         sim.num_stages,
         sim.num_microbatches,
         sim.costs

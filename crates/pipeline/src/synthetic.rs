@@ -37,6 +37,16 @@
 //! with the send's end. The microbatch index travels with the tensor so that the backward
 //! knows whether its program splits it into `I` and `W`.
 //!
+//! Why the messages are costed by a communicator wrapper and not by the stage: sends and
+//! receives are the executor's actions, placed by the lowering, and a receive's time
+//! depends on where it stands in the rank's order (`max(clock, stamp)` at that point),
+//! not on when the stage later consumes its tensor. Wrapping the communicator charges
+//! them where the executor performs them, with no hook in the executor beyond `W`'s.
+//!
+//! What this does not check: the stages' own computation (there is none), and memory
+//! (the tensors are two numbers); the executor's count of held activations is still
+//! compared with the simulator's.
+//!
 //! [`run_synthetic`] does it all: lowers and validates a program, simulates it, runs it
 //! on threads and returns both timelines.
 
