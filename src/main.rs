@@ -22,7 +22,7 @@ struct Cli {
 enum Command {
     /// Train a GPT on text with any dp × pp × tp layout (default: pp 2 × tp 2 on the bundled text)
     Train(Box<cli::train::TrainArgs>),
-    /// Generate, validate, simulate and draw a pipeline schedule
+    /// Generate, validate, simulate and draw a pipeline schedule, or run it on synthetic stages
     Schedule(cli::schedule::ScheduleArgs),
     /// Mean cross-entropy (nats per byte) of a checkpoint or weights file on a text
     Eval(cli::model::EvalArgs),

@@ -204,6 +204,68 @@ fn schedule_reports_json_and_svg() {
     assert!(e.contains("multiple of 4"), "{e}");
 }
 
+/// `schedule --execute`: the program runs with synthetic stages on threads. The virtual
+/// clock is exact, so its ratios are 1; the sleeping run is only checked for its columns
+/// (no timing is asserted: the machine may be loaded).
+#[test]
+fn schedule_execute_compares_a_run_with_the_simulator() {
+    let out = ok(&[
+        "schedule",
+        "--kind",
+        "zb-h1",
+        "--stages",
+        "4",
+        "--microbatches",
+        "6",
+        "--costs",
+        "F=1,I=1,W=1,comm=0.25",
+        "--execute",
+        "virtual",
+    ]);
+    assert!(out.contains("virtual clock"), "{out}");
+    let makespan = out.lines().find(|l| l.starts_with("makespan")).unwrap();
+    assert!(makespan.trim_end().ends_with("1.000"), "{out}");
+    let ranks: Vec<&str> = out
+        .lines()
+        .filter(|l| l.starts_with(|c: char| c.is_ascii_digit()))
+        .collect();
+    assert_eq!(ranks.len(), 4, "{out}");
+
+    let dir = scratch("execute");
+    let csv = dir.join("mine.csv");
+    std::fs::write(&csv, "0,0F0,0F1,0B0,0B1\n1,1F0,1B0,1F1,1B1\n").unwrap();
+    let csv = csv.to_str().unwrap();
+    let out = ok(&[
+        "schedule",
+        "--from-csv",
+        csv,
+        "--execute",
+        "--unit-ms",
+        "0.5",
+    ]);
+    assert!(out.contains("sleeping, 1 unit = 0.5 ms"), "{out}");
+    for row in ["makespan", "bubble"] {
+        let line = out.lines().find(|l| l.starts_with(row)).unwrap();
+        assert_eq!(line.split_whitespace().count(), 4, "{line}");
+    }
+
+    let e = fails(&["schedule", "--execute", "fast"]);
+    assert!(e.contains("expected sleep or virtual"), "{e}");
+    let e = fails(&["schedule", "--execute", "--format", "json"]);
+    assert!(e.contains("--execute prints a text table"), "{e}");
+    let e = fails(&["schedule", "--execute", "--unit-ms", "0"]);
+    assert!(e.contains("--unit-ms 0"), "{e}");
+    let e = fails(&[
+        "schedule",
+        "--stages",
+        "300",
+        "--microbatches",
+        "300",
+        "--execute",
+    ]);
+    assert!(e.contains("one thread per rank"), "{e}");
+}
+
 #[test]
 fn bad_layouts_fail_before_training_with_what_to_change() {
     let e = fails(&strs(&tiny(&["--tp", "4", "--steps", "1"])));

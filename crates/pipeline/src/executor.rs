@@ -415,6 +415,7 @@ impl<'a> Executor<'a> {
                         .into());
                     };
                     add_into(acc.get_mut(&s).expect("stage of this rank"), pg)?;
+                    self.stage(s)?.backward_weights(m)?;
                     *held.get_mut(&s).expect("stage of this rank") -= 1;
                 }
                 Op::SendF | Op::SendB => {

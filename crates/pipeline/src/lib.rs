@@ -23,7 +23,10 @@
 //!   parameter gradients of `I` until its `W` adds them in: `I` runs the stage's whole
 //!   backward in one autograd pass (candle cannot compute input gradients alone), so the
 //!   schedule's order is kept but `W` costs almost nothing. The activation count still
-//!   runs until `W`, as the simulator counts it.
+//!   runs until `W`, as the simulator counts it. `W` then calls the stage's
+//!   [`Stage::backward_weights`] hook (by default nothing): where a stage whose weight
+//!   gradients are computed apart does that work, and where a synthetic stage spends
+//!   `W`'s time.
 //! * With activation recomputation ([`Executor::with_recompute`]), `F` keeps only the
 //!   input of each of the stage's segments ([`Stage::forward_segment`]) and drops the
 //!   graph; `B` runs the segments again, last first, each with autograd just before its
@@ -34,6 +37,28 @@
 //! The executor measures, rather than computes, what the simulator predicts: the peak
 //! number of microbatches whose activations it holds (per rank and per stage), and the
 //! time of every action (a trace that opens in Perfetto).
+//!
+//! ## Synthetic stages: schedules checked at scale
+//!
+//! A [`SyntheticStage`] costs its actions instead of computing, and a [`SyntheticComm`]
+//! around the real communicator costs its messages; [`run_synthetic`] runs a whole
+//! program with them, one thread per rank, through the real [`Executor`] (the design is
+//! in the [`synthetic`] module). On a virtual clock ([`SyntheticMode::Virtual`]) the
+//! measured timeline is deterministic and equals the simulator's action by action, which
+//! checks the executor's ordering and the lowering at 32 ranks on two cores; with
+//! [`SyntheticMode::Sleep`] actions sleep, for real timings (`switchyard schedule
+//! --execute`).
+//!
+//! ```
+//! use switchyard_pipeline::{run_synthetic, timeline_difference, SyntheticMode};
+//! use switchyard_schedule::{generate, Costs, ScheduleKind};
+//!
+//! let program = generate(ScheduleKind::ZbH1, 8, 16).unwrap();
+//! let costs: Costs = "F=1,I=1,W=1,comm=0.25".parse().unwrap();
+//! let run = run_synthetic(&program, &[costs], SyntheticMode::Virtual).unwrap();
+//! assert_eq!(run.measured.makespan, run.simulated.makespan);
+//! assert_eq!(timeline_difference(&run.simulated, &run.measured).unwrap(), 0.0);
+//! ```
 //!
 //! ## Errors
 //!
@@ -80,9 +105,14 @@
 mod error;
 mod executor;
 mod stage;
+pub mod synthetic;
 
 pub use error::PipelineError;
 pub use executor::{
     step_bubbles, CheckedProgram, Executor, Microbatches, StepOutput, StepStats, TraceEvent,
 };
 pub use stage::{ModuleStage, Stage};
+pub use synthetic::{
+    run_synthetic, timeline_difference, SyntheticClock, SyntheticComm, SyntheticMode, SyntheticRun,
+    SyntheticStage,
+};

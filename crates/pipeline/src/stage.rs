@@ -27,6 +27,17 @@ pub trait Stage: Send + Sync {
             _ => candle_core::bail!("this stage has one segment, asked for segment {i}"),
         }
     }
+    /// The weight-gradient half of a split backward: called when the executor runs `W`
+    /// for `microbatch`, after it has added in the parameter gradients that the `I`
+    /// before it kept. The default does nothing: `I` runs the stage's whole backward in
+    /// one autograd pass, so the weight gradients are already there. A stage whose `W`
+    /// has work of its own does it here ([`crate::SyntheticStage`] spends `W`'s cost; a
+    /// stage that computes its weight gradients apart from its input gradients would
+    /// compute them here).
+    fn backward_weights(&self, microbatch: u32) -> Result<()> {
+        let _ = microbatch;
+        Ok(())
+    }
     /// Called by [`crate::Executor::run`] before a step's first action. A stage may
     /// derive tensors from its parameters here once for all of the step's microbatches
     /// (e.g. weights fused with their biases), instead of once per microbatch.

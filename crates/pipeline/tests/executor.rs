@@ -351,3 +351,55 @@ fn the_step_hooks_bracket_every_step_even_a_failed_one() {
         );
     }
 }
+
+/// `W` calls [`Stage::backward_weights`] once per microbatch, in the program's order,
+/// and nothing else does.
+#[test]
+fn w_calls_the_stages_weight_hook() {
+    struct Recording<S> {
+        inner: S,
+        calls: std::sync::Mutex<Vec<u32>>,
+    }
+    impl<S: Stage> Stage for Recording<S> {
+        fn forward(&self, x: &Tensor) -> Result<Tensor> {
+            self.inner.forward(x)
+        }
+        fn params(&self) -> &[Var] {
+            self.inner.params()
+        }
+        fn backward_weights(&self, microbatch: u32) -> Result<()> {
+            self.calls.lock().unwrap().push(microbatch);
+            Ok(())
+        }
+    }
+    for kind in [ScheduleKind::ZbH1, ScheduleKind::OneFOneB] {
+        let program = generate(kind, 2, 3).unwrap();
+        let calls = local::launch(2, |comm| {
+            let s = comm.rank() as u32;
+            let st = Recording {
+                inner: stage(s)?,
+                calls: Default::default(),
+            };
+            let exec = Executor::new(&program, &*comm, vec![(s, &st as &dyn Stage)])?;
+            let inputs = (0..3).map(input).collect::<Result<Vec<_>>>()?;
+            let loss = |out: &Tensor, _m: usize| out.sum_all();
+            exec.run(&Microbatches {
+                inputs,
+                loss: &loss,
+                loss_scale: 1.0,
+            })?;
+            let want: Vec<u32> = program.ranks[s as usize]
+                .iter()
+                .filter(|a| a.op == switchyard_schedule::Op::W)
+                .map(|a| a.microbatch)
+                .collect();
+            let got = st.calls.lock().unwrap().clone();
+            Ok::<_, candle_core::Error>((got, want))
+        })
+        .unwrap();
+        for (got, want) in calls {
+            assert_eq!(got, want, "{kind}");
+            assert_eq!(got.is_empty(), kind != ScheduleKind::ZbH1);
+        }
+    }
+}
