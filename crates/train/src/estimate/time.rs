@@ -53,11 +53,11 @@
 //!   ([`Model::param_shapes`]) times the rank's share of the model's FLOPs, over `tp`
 //!   for `N_r` (every tensor-parallel rank holds a shard of every tensor).
 //!
-//! Step time `= M + max_r (A_dp + N_r · a + K_r · a_t) + [workers > 1] · (α_c + o_world)
-//! + o_step` (`A_dp = 0` without data parallelism), `o_step` and `o_world` the fixed
-//! costs of a step on one worker and on several, measured by training a model of almost
-//! no FLOPs (what the rest of this model predicts for it taken off): a tenth of a
-//! millisecond each, which matters only to steps of a few milliseconds.
+//! Step time `= M + max_r (A_dp + N_r · a + K_r · a_t) + o_step + [workers > 1] ·
+//! (α_c + o_world)` (`A_dp = 0` without data parallelism), `o_step` and `o_world` the
+//! fixed costs of a step on one worker and on several, measured by training a model of
+//! almost no FLOPs (what the rest of this model predicts for it taken off): tens to
+//! hundreds of microseconds, which matter only to steps of a few milliseconds.
 //!
 //! A model whose [`Model::costs`] are relative weights rather than FLOPs (the trait's
 //! default) gets times in those units divided by the rate: meaningless. The GPT's are
