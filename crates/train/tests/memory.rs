@@ -152,12 +152,13 @@ fn a_long_run_holds_no_more_gradients_than_a_short_one() {
             .map(|m| m.bytes_by_category["gradients"])
             .collect()
     };
-    let (short, long) = (gradients(5), gradients(80));
+    let (short, long) = (gradients(5), gradients(200));
     for (s, l) in short.iter().zip(&long) {
-        // A few hundred bytes of allocator noise, not 75 steps of action times.
+        // A few KiB of in-flight tensors that depend on the threads' timing, not 195
+        // steps of action times (about 200 KiB).
         assert!(
-            l.abs_diff(*s) < 4096,
-            "5 steps: {short:?} B, 80 steps: {long:?} B"
+            l.abs_diff(*s) < 32 << 10,
+            "5 steps: {short:?} B, 200 steps: {long:?} B"
         );
     }
 }

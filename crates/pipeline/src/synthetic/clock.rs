@@ -15,7 +15,8 @@ pub enum SyntheticMode {
     },
 }
 
-/// One rank's clock, shared by its [`SyntheticStage`]s and its [`SyntheticComm`].
+/// One rank's clock, shared by its [`SyntheticStage`](super::SyntheticStage)s and its
+/// [`SyntheticComm`](super::SyntheticComm).
 #[derive(Debug)]
 pub struct SyntheticClock {
     mode: SyntheticMode,

@@ -18,7 +18,7 @@ pub(super) struct Inner {
 }
 
 /// A pipeline stage that costs its actions on a [`SyntheticClock`] instead of computing
-/// (see the [module documentation](self)). Its input and output are `[time, microbatch]`
+/// (see the [module documentation](crate::synthetic)). Its input and output are `[time, microbatch]`
 /// `f64` tensors; [`SyntheticStage::input`] makes the first stage's inputs.
 pub struct SyntheticStage {
     inner: Arc<Inner>,
