@@ -167,6 +167,64 @@ pub struct Timeline {
 }
 
 impl Timeline {
+    /// The timeline of `program` from each action's `(start, end)`, rank by rank, as
+    /// [`simulate`] computes them or an executor measures them: a rank is busy during its
+    /// compute actions, communicates during the others (or for `comm[r]`, when given) and
+    /// is idle for the rest of the makespan; `peaks[r]` is its peak activation count.
+    pub fn from_times(
+        program: &Program,
+        costs: Costs,
+        times: &[Vec<(f64, f64)>],
+        comm: Option<&[f64]>,
+        peaks: &[u32],
+    ) -> Timeline {
+        let makespan = times
+            .iter()
+            .flatten()
+            .map(|&(_, e)| e)
+            .fold(0.0f64, f64::max);
+        let fraction = |idle: f64, of: f64| if of > 0.0 { idle / of } else { 0.0 };
+        let ranks: Vec<RankTimeline> = program
+            .ranks
+            .iter()
+            .zip(times)
+            .enumerate()
+            .map(|(r, (actions, ts))| {
+                let (mut busy, mut in_comm) = (0.0, 0.0);
+                for (a, &(s, e)) in actions.iter().zip(ts) {
+                    match a.op.is_compute() {
+                        true => busy += e - s,
+                        false => in_comm += e - s,
+                    }
+                }
+                let comm = comm.map_or(in_comm, |c| c[r]);
+                let idle = (makespan - busy - comm).max(0.0);
+                RankTimeline {
+                    rank: r as u32,
+                    busy,
+                    comm,
+                    idle,
+                    bubble_fraction: fraction(idle, makespan),
+                    peak_activations: peaks.get(r).copied().unwrap_or(0),
+                    actions: actions
+                        .iter()
+                        .zip(ts)
+                        .map(|(&action, &(start, end))| TimedAction { action, start, end })
+                        .collect(),
+                }
+            })
+            .collect();
+        let total_idle: f64 = ranks.iter().map(|r| r.idle).sum();
+        Timeline {
+            num_stages: program.num_stages,
+            num_microbatches: program.num_microbatches,
+            costs,
+            makespan,
+            bubble_fraction: fraction(total_idle, ranks.len() as f64 * makespan),
+            ranks,
+        }
+    }
+
     /// Number of ranks.
     pub fn num_ranks(&self) -> usize {
         self.ranks.len()
@@ -242,51 +300,8 @@ pub fn simulate_by_stage(program: &Program, costs: &[Costs]) -> Result<Timeline>
         w: max(|c| c.w),
         comm: max(|c| c.comm),
     };
-    let makespan = times
-        .iter()
-        .flatten()
-        .map(|&(_, e)| e)
-        .fold(0.0f64, f64::max);
-    let ranks: Vec<RankTimeline> = program
-        .ranks
-        .iter()
-        .zip(&times)
-        .enumerate()
-        .map(|(r, (actions, ts))| {
-            let (mut busy, mut comm) = (0.0, 0.0);
-            for (a, &(s, e)) in actions.iter().zip(ts) {
-                if a.op.is_compute() {
-                    busy += e - s;
-                } else {
-                    comm += e - s;
-                }
-            }
-            let idle = (makespan - busy - comm).max(0.0);
-            RankTimeline {
-                rank: r as u32,
-                busy,
-                comm,
-                idle,
-                bubble_fraction: if makespan > 0.0 { idle / makespan } else { 0.0 },
-                peak_activations: peak_activations(actions),
-                actions: actions
-                    .iter()
-                    .zip(ts)
-                    .map(|(&action, &(start, end))| TimedAction { action, start, end })
-                    .collect(),
-            }
-        })
-        .collect();
-    let total_idle: f64 = ranks.iter().map(|r| r.idle).sum();
-    let denom = ranks.len() as f64 * makespan;
-    Ok(Timeline {
-        num_stages: program.num_stages,
-        num_microbatches: program.num_microbatches,
-        costs,
-        makespan,
-        bubble_fraction: if denom > 0.0 { total_idle / denom } else { 0.0 },
-        ranks,
-    })
+    let peaks: Vec<u32> = program.ranks.iter().map(|a| peak_activations(a)).collect();
+    Ok(Timeline::from_times(program, costs, &times, None, &peaks))
 }
 
 /// Peak number of held activations over one rank's action list: `+1` at

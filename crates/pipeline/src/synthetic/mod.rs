@@ -54,7 +54,7 @@ use std::time::Instant;
 
 use candle_core::{Result, Tensor};
 use switchyard_comm::local::Launcher;
-use switchyard_schedule::{simulate_by_stage, Costs, Program, RankTimeline, TimedAction, Timeline};
+use switchyard_schedule::{simulate_by_stage, Costs, Program, Timeline};
 
 use crate::{CheckedProgram, Executor, Microbatches, Stage};
 
@@ -177,56 +177,16 @@ pub fn run_synthetic(
             .flatten()
             .for_each(|(s, e)| (*s, *e) = (*s - t0, *e - t0));
     }
-    let makespan = times
-        .iter()
-        .flatten()
-        .map(|&(_, e)| e)
-        .fold(0.0f64, f64::max);
-    let ranks: Vec<RankTimeline> = program
-        .ranks
-        .iter()
-        .zip(&times)
-        .zip(&per_rank)
-        .enumerate()
-        .map(|(r, ((actions, ts), (stats, _, comm_time)))| {
-            let mut busy = 0.0;
-            let mut comm = 0.0;
-            for (a, &(s, e)) in actions.iter().zip(ts) {
-                if a.op.is_compute() {
-                    busy += e - s;
-                } else {
-                    comm += e - s;
-                }
-            }
-            if let SyntheticMode::Sleep { .. } = mode {
-                comm = *comm_time;
-            }
-            let idle = (makespan - busy - comm).max(0.0);
-            RankTimeline {
-                rank: r as u32,
-                busy,
-                comm,
-                idle,
-                bubble_fraction: if makespan > 0.0 { idle / makespan } else { 0.0 },
-                peak_activations: stats.peak_activations as u32,
-                actions: actions
-                    .iter()
-                    .zip(ts)
-                    .map(|(&action, &(start, end))| TimedAction { action, start, end })
-                    .collect(),
-            }
-        })
-        .collect();
-    let total_idle: f64 = ranks.iter().map(|r| r.idle).sum();
-    let denom = ranks.len() as f64 * makespan;
-    let measured = Timeline {
-        num_stages: program.num_stages,
-        num_microbatches: program.num_microbatches,
-        costs: simulated.costs,
-        makespan,
-        bubble_fraction: if denom > 0.0 { total_idle / denom } else { 0.0 },
-        ranks,
+    // Sleeping, a message's wall time is the clock's count, not the span of its action.
+    let comm: Option<Vec<f64>> = match mode {
+        SyntheticMode::Sleep { .. } => Some(per_rank.iter().map(|r| r.2).collect()),
+        SyntheticMode::Virtual => None,
     };
+    let peaks: Vec<u32> = per_rank
+        .iter()
+        .map(|r| r.0.peak_activations as u32)
+        .collect();
+    let measured = Timeline::from_times(program, simulated.costs, &times, comm.as_deref(), &peaks);
     Ok(SyntheticRun {
         program: program.clone(),
         simulated,
