@@ -371,6 +371,11 @@ pub fn resolve(
     if let Some(ops) = a.ops {
         c.model.ops = ops;
     }
+    // Off the CPU every op runs as its composed twin; saying so makes the memory estimate
+    // and the report describe what runs.
+    if !c.device.is_cpu() {
+        c.model.ops = OpsBackend::Composed;
+    }
     if a.tied {
         c.model.tied_embeddings = true;
     }

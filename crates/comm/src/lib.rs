@@ -62,6 +62,7 @@ mod args;
 pub mod conformance;
 mod counting;
 mod error;
+mod host;
 pub mod local;
 mod mesh;
 pub mod mpi;

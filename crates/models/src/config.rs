@@ -50,7 +50,7 @@ impl PartialEq for GptConfig {
 
 impl Eq for GptConfig {}
 
-fn is_fused(ops: &OpsBackend) -> bool {
+pub(crate) fn is_fused(ops: &OpsBackend) -> bool {
     *ops == OpsBackend::Fused
 }
 

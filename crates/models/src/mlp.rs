@@ -10,18 +10,37 @@
 
 use candle_core::{DType, Module, Result, Tensor, Var};
 use serde::{Deserialize, Serialize};
-use switchyard_shard::{Init, LayerInit, ParallelMlp, ParamStore, TpGroup};
+use switchyard_shard::{Init, LayerInit, OpsBackend, ParallelMlp, ParamStore, TpGroup};
 
 use crate::{Model, ModelError, ModelStage, StagePlan};
 
 /// The MLP's shape. In a config file every field is optional.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+///
+/// As with the GPT ([`crate::GptConfig::ops`]), two configs are equal when they describe
+/// the same model: [`MlpConfig::ops`] takes no part in the comparison.
+#[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct MlpConfig {
     pub d_model: usize,
     pub hidden: usize,
     pub n_layer: usize,
+    /// How the ops compute: the fused CPU kernels (default) or their composed twins,
+    /// which run on every candle device ([`OpsBackend`]). Not written at its default.
+    #[serde(
+        with = "crate::config::ops_serde",
+        skip_serializing_if = "crate::config::is_fused"
+    )]
+    pub ops: OpsBackend,
 }
+
+impl PartialEq for MlpConfig {
+    fn eq(&self, other: &Self) -> bool {
+        let key = |c: &MlpConfig| (c.d_model, c.hidden, c.n_layer);
+        key(self) == key(other)
+    }
+}
+
+impl Eq for MlpConfig {}
 
 impl Default for MlpConfig {
     fn default() -> Self {
@@ -29,6 +48,7 @@ impl Default for MlpConfig {
             d_model: 16,
             hidden: 32,
             n_layer: 4,
+            ops: OpsBackend::Fused,
         }
     }
 }
@@ -106,7 +126,7 @@ impl MlpStage {
             .blocks
             .clone()
             .map(|i| {
-                let vb = store.builder().pp(format!("layers.{i}"));
+                let vb = store.builder().with_ops(cfg.ops).pp(format!("layers.{i}"));
                 ParallelMlp::new(&vb, tp.clone(), cfg.d_model, cfg.hidden, init)
             })
             .collect::<Result<Vec<_>>>()?;
@@ -148,5 +168,43 @@ impl Module for MlpStage {
             x = (&x + l.forward(&x)?)?;
         }
         Ok(x)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plan_stages;
+    use switchyard_shard::ParamSource;
+
+    fn stage(cfg: &MlpConfig) -> MlpStage {
+        let store = ParamStore::new(DType::F32, 0, 1, ParamSource::Init { seed: 1 }).unwrap();
+        let plans = plan_stages(&cfg.costs(cfg.d_model), 1, &Default::default()).unwrap();
+        MlpStage::new(cfg, &plans[0], &store, switchyard_shard::single_device()).unwrap()
+    }
+
+    /// `ops` reaches every layer, is no part of the model's identity, and is written
+    /// only when it is not the default.
+    #[test]
+    fn the_ops_setting_reaches_the_layers_and_is_not_part_of_the_model() {
+        let composed = MlpConfig {
+            ops: OpsBackend::Composed,
+            ..MlpConfig::default()
+        };
+        for (cfg, want) in [
+            (MlpConfig::default(), OpsBackend::Fused),
+            (composed.clone(), OpsBackend::Composed),
+        ] {
+            let s = stage(&cfg);
+            assert_eq!(s.layers.len(), cfg.n_layer);
+            assert!(s.layers.iter().all(|l| l.c_fc().ops() == want));
+        }
+        assert_eq!(composed, MlpConfig::default());
+        let json = serde_json::to_string(&MlpConfig::default()).unwrap();
+        assert!(!json.contains("ops"), "{json}");
+        let json = serde_json::to_string(&composed).unwrap();
+        assert!(json.contains(r#""ops":"composed""#), "{json}");
+        let back: MlpConfig = serde_json::from_str(&json).unwrap();
+        assert_eq!(back.ops, OpsBackend::Composed);
     }
 }

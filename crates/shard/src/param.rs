@@ -148,7 +148,17 @@ impl ParamStore {
 
     /// [`ParamStore::new`] with the rank and size of the tensor-parallel group `tp`.
     pub fn for_group(tp: &dyn Communicator, dtype: DType, source: ParamSource) -> Result<Self> {
-        ParamStore::new(dtype, tp.rank(), tp.world_size(), source)
+        ParamStore::for_group_on(tp, &Device::Cpu, dtype, source)
+    }
+
+    /// [`ParamStore::for_group`] creating the parameters on `device`.
+    pub fn for_group_on(
+        tp: &dyn Communicator,
+        device: &Device,
+        dtype: DType,
+        source: ParamSource,
+    ) -> Result<Self> {
+        ParamStore::new_on(device, dtype, tp.rank(), tp.world_size(), source)
     }
 
     /// The device the parameters are created on.

@@ -84,7 +84,10 @@ pub fn train<M: Model>(
     cfg.validate()
         .and_then(|()| cfg.check_machine(cfg.world_size()))
         .map_err(|e| err!(Config, "invalid configuration: {e}"))?;
-    crate::estimate::fits::check_fits(cfg, cfg.world_size(), memory_info().available)?;
+    // The estimate is of the device's memory: host memory bounds it only on the CPU (a
+    // GPU's free memory is not something candle reports; `--max-memory-per-worker` is).
+    let available = memory_info().available.filter(|_| cfg.device.is_cpu());
+    crate::estimate::fits::check_fits(cfg, cfg.world_size(), available)?;
     let ctx = RankContext::prepare(cfg, data, opts)?;
     ctx.plan.apply()?;
     let mut launcher =

@@ -135,7 +135,8 @@ impl<'a, M: Model> Worker<'a, M> {
         // Measured memory (switchyard-mem): what building the stages allocates is
         // parameters.
         let category = switchyard_mem::scope(Category::Parameters);
-        let store = ParamStore::for_group(&*mesh.tp, DType::F32, source)?;
+        let device = cfg.device.open()?;
+        let store = ParamStore::for_group_on(&*mesh.tp, &device, DType::F32, source)?;
         store.set_selective_recompute(cfg.recompute == Recompute::Selective);
         let mut stages = Vec::new();
         for s in pipe.stages_of_rank(mesh.coord.pp as u32) {
@@ -266,6 +267,12 @@ impl<'a, M: Model> Worker<'a, M> {
         &self.store
     }
 
+    /// `t` (a batch from the data, or an activation a communicator handed back in host
+    /// memory) on the device of this rank's parameters; itself when it is there.
+    fn on_device(&self, t: &Tensor) -> Result<Tensor> {
+        Ok(t.to_device(self.store.device())?)
+    }
+
     /// Forward and backward over this step's microbatches: this rank's gradient of each
     /// parameter (not yet summed over replicas or tied copies), the losses of the
     /// microbatches that ended here, and the executor's measurements.
@@ -277,6 +284,7 @@ impl<'a, M: Model> Worker<'a, M> {
         let (x, y) = self
             .data
             .batch(&Sampler::of(c), step, first..first + per_replica)?;
+        let (x, y) = (self.on_device(&x)?, self.on_device(&y)?);
         let inputs = (0..m)
             .map(|i| x.narrow(0, i * mbs, mbs))
             .collect::<candle_core::Result<Vec<_>>>()?;
@@ -547,6 +555,7 @@ impl<'a, M: Model> Worker<'a, M> {
                     return Ok((0.0, 0.0));
                 };
                 let (x, y) = batch?;
+                let (x, y) = (self.on_device(&x)?, self.on_device(&y)?);
                 for mb in 0..m {
                     let mut h = None;
                     for (s, g) in &self.stages {
@@ -559,10 +568,12 @@ impl<'a, M: Model> Worker<'a, M> {
                         let input = match s {
                             0 => x.narrow(0, mb * mbs, mbs)?,
                             _ if pipe.rank_of_stage(s - 1) == me => h.take().expect("ran"),
-                            _ => self
-                                .mesh
-                                .pp
-                                .recv(pipe.rank_of_stage(s - 1) as usize, tag(s))?,
+                            _ => self.on_device(
+                                &self
+                                    .mesh
+                                    .pp
+                                    .recv(pipe.rank_of_stage(s - 1) as usize, tag(s))?,
+                            )?,
                         };
                         let out = g.forward(&input)?;
                         if s == last {

@@ -7,6 +7,7 @@ use std::collections::BTreeMap;
 
 use candle_core::{Tensor, Var};
 use switchyard_models::MlpConfig;
+use switchyard_shard::OpsBackend;
 use switchyard_train::data::{Corpus, Dataset, Sampler};
 use switchyard_train::testing::{
     check_step_parity, compare_steps, initial_weights, parallel_step, schedules, StepOutcome,
@@ -20,6 +21,7 @@ fn tiny(dp: usize, pp: usize, tp: usize, schedule: &str) -> TrainConfig<MlpConfi
             d_model: 8,
             hidden: 16,
             n_layer: 8,
+            ..MlpConfig::default()
         },
         seq_len: 8,
         dp,
@@ -104,6 +106,18 @@ fn every_layout_and_schedule_matches_the_serial_step() {
             check_step_parity(&cfg, &tiny(dp, 1, 1, "1f1b"), &Corpus::bundled(), 1e-5)
                 .unwrap_or_else(|e| panic!("{e}"));
         }
+    }
+}
+
+/// The composed twins (`ops = "composed"`, which run on every candle device) go through
+/// the same trainer: every layout with them matches the fused serial step.
+#[test]
+fn the_composed_ops_match_the_fused_serial_step_on_every_layout() {
+    for (dp, pp, tp) in LAYOUTS {
+        let mut cfg = tiny(dp, pp, tp, "1f1b");
+        cfg.model.ops = OpsBackend::Composed;
+        check_step_parity(&cfg, &tiny(dp, 1, 1, "1f1b"), &Corpus::bundled(), 1e-5)
+            .unwrap_or_else(|e| panic!("composed: {e}"));
     }
 }
 

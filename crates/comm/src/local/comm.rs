@@ -59,20 +59,14 @@ impl LocalComm {
         Ok(t.contiguous().map_err(|e| self.backend(op, e))?.detach())
     }
 
-    /// `t` in host memory (itself when it is there already).
+    /// `t` in host memory ([`crate::host`]).
     fn to_host(&self, op: &'static str, t: &Tensor) -> Result<Tensor> {
-        match t.device().is_cpu() {
-            true => Ok(t.clone()),
-            false => t.to_device(&Device::Cpu).map_err(|e| self.backend(op, e)),
-        }
+        crate::host::to_host(t).map_err(|e| self.backend(op, e))
     }
 
-    /// A result back on the device of the input it came from.
+    /// A result back on the device of the input it came from ([`crate::host`]).
     fn to_device(&self, op: &'static str, t: Tensor, device: &Device) -> Result<Tensor> {
-        match device.is_cpu() {
-            true => Ok(t),
-            false => t.to_device(device).map_err(|e| self.backend(op, e)),
-        }
+        crate::host::to_device(t, device).map_err(|e| self.backend(op, e))
     }
 
     fn deposit(&self, op: &'static str, desc: String) -> Deposit {

@@ -7,7 +7,7 @@ use std::ffi::c_int;
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
-use candle_core::Tensor;
+use candle_core::{Device, Tensor};
 use mpi::ffi;
 
 use super::runtime::{Handle, Poll, Runtime};
@@ -139,12 +139,16 @@ impl MpiComm {
         args::dim_exists(t, dim).map_err(|r| self.invalid(op, r))
     }
 
-    /// `t` as a contiguous CPU tensor detached from autograd.
+    /// `t` as a contiguous host tensor detached from autograd: a tensor on another
+    /// device is copied to the host ([`crate::host`]).
     pub fn contiguous(&self, op: &'static str, t: &Tensor) -> Result<Tensor> {
-        if !t.device().is_cpu() {
-            return Err(self.invalid(op, "the MPI transport only moves CPU tensors"));
-        }
+        let t = crate::host::to_host(t).map_err(|e| self.backend(op, e))?;
         Ok(t.contiguous().map_err(|e| self.backend(op, e))?.detach())
+    }
+
+    /// A host result back on `device`, the device of the input it came from.
+    fn on(&self, op: &'static str, device: &Device, r: Result<Tensor>) -> Result<Tensor> {
+        crate::host::to_device(r?, device).map_err(|e| self.backend(op, e))
     }
 
     /// Waits for `reqs`, keeping `keep` (every buffer MPI may still touch) alive. On
@@ -417,24 +421,36 @@ impl Communicator for MpiComm {
         }
     }
 
+    // Every input is staged through the host by `contiguous`, and each result goes back
+    // to the device of its input ([`crate::host`]).
     fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
-        self.all_reduce_impl(t, op)
+        self.on("all_reduce", t.device(), self.all_reduce_impl(t, op))
     }
 
     fn all_gather(&self, t: &Tensor, dim: usize) -> Result<Tensor> {
-        self.all_gather_impl(t, dim)
+        self.on("all_gather", t.device(), self.all_gather_impl(t, dim))
     }
 
     fn reduce_scatter(&self, t: &Tensor, dim: usize, op: ReduceOp) -> Result<Tensor> {
-        self.reduce_scatter_impl(t, dim, op)
+        self.on(
+            "reduce_scatter",
+            t.device(),
+            self.reduce_scatter_impl(t, dim, op),
+        )
     }
 
     fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor> {
-        self.broadcast_impl(t, root)
+        self.on("broadcast", t.device(), self.broadcast_impl(t, root))
     }
 
     fn all_to_all(&self, parts: Vec<Tensor>) -> Result<Vec<Tensor>> {
-        self.all_to_all_impl(parts)
+        let Some(device) = parts.first().map(|p| p.device().clone()) else {
+            return self.all_to_all_impl(parts);
+        };
+        self.all_to_all_impl(parts)?
+            .into_iter()
+            .map(|t| self.on("all_to_all", &device, Ok(t)))
+            .collect()
     }
 
     fn barrier(&self) -> Result<()> {

@@ -186,23 +186,6 @@ impl<M> TrainConfig<M> {
 }
 
 impl<M: Model> TrainConfig<M> {
-    /// A device whose backend this build has, but that the trainer does not run on yet:
-    /// the ops run anywhere (their composed twins), but the trainer still creates its
-    /// parameters, batches and optimizer state in host memory. Refused before any work
-    /// rather than silently trained on the CPU.
-    fn device_is_wired(&self) -> Result<(), TrainError> {
-        match self.device.is_cpu() {
-            true => Ok(()),
-            false => Err(err!(
-                Config,
-                "--device {}: the ops run there (as their composed twins), but the trainer \
-                 does not place its parameters and batches on it yet (docs/PERFORMANCE.md, \
-                 \"GPUs\"); use --device cpu",
-                self.device
-            )),
-        }
-    }
-
     /// Every check that can be made before any worker starts, each with what to change.
     /// The cheap arithmetic comes first, so that no absurd value (a layout whose product
     /// overflows, more stages than layers, a model larger than this machine's memory)
@@ -220,7 +203,6 @@ impl<M: Model> TrainConfig<M> {
     fn validate_with(&self, this_machine: bool) -> Result<(), TrainError> {
         savers::check_zero(self.zero)?;
         self.device.check()?;
-        self.device_is_wired()?;
         let m = &self.model;
         m.validate()?;
         self.mesh().validate()?;
