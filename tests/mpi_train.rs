@@ -159,46 +159,48 @@ fn mpi_matches_the_in_process_backend() {
     assert_close(&losses(&m), &losses(&l), "mpi vs local");
 }
 
-/// ZeRO's reduce-scatter and all-gather and recomputation's segments under MPI train
-/// what they train on threads.
+/// ZeRO's reduce-scatters and all-gathers (stage 2 with recomputation's segments, stage 3
+/// gathering every segment's parameters) under MPI train what they train on threads.
 #[test]
 fn zero_and_recomputation_under_mpi_match_the_in_process_backend() {
-    let d = scratch("savers");
-    let (m, l) = (d.join("mpi.jsonl"), d.join("local.jsonl"));
-    let flags = |metrics: &Path| -> Vec<String> {
-        [
-            "--dp",
-            "2",
-            "--pp",
-            "2",
-            "--tp",
-            "1",
-            "--zero",
-            "2",
-            "--recompute",
-            "full",
-            "--steps",
-            "5",
-            "--metrics",
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .chain([metrics.to_str().unwrap().to_string()])
-        .collect()
-    };
-    let (fm, fl) = (flags(&m), flags(&l));
-    let fm: Vec<&str> = fm.iter().map(String::as_str).collect();
-    let fl: Vec<&str> = fl.iter().map(String::as_str).collect();
-    let (ok, out) = run(mpirun(4, &fm), LIMIT);
-    assert!(ok, "{out}");
-    assert!(out.contains("trained 5 steps on 4 workers"), "{out}");
-    let (ok, out) = run(local(&fl), LIMIT);
-    assert!(ok, "{out}");
-    assert_close(
-        &losses(&m),
-        &losses(&l),
-        "mpi vs local, zero 2, recompute full",
-    );
+    for (zero, recompute) in [("2", "full"), ("3", "none")] {
+        let d = scratch(&format!("savers-{zero}"));
+        let (m, l) = (d.join("mpi.jsonl"), d.join("local.jsonl"));
+        let flags = |metrics: &Path| -> Vec<String> {
+            [
+                "--dp",
+                "2",
+                "--pp",
+                "2",
+                "--tp",
+                "1",
+                "--zero",
+                zero,
+                "--recompute",
+                recompute,
+                "--steps",
+                "5",
+                "--metrics",
+            ]
+            .iter()
+            .map(|s| s.to_string())
+            .chain([metrics.to_str().unwrap().to_string()])
+            .collect()
+        };
+        let (fm, fl) = (flags(&m), flags(&l));
+        let fm: Vec<&str> = fm.iter().map(String::as_str).collect();
+        let fl: Vec<&str> = fl.iter().map(String::as_str).collect();
+        let (ok, out) = run(mpirun(4, &fm), LIMIT);
+        assert!(ok, "{out}");
+        assert!(out.contains("trained 5 steps on 4 workers"), "{out}");
+        let (ok, out) = run(local(&fl), LIMIT);
+        assert!(ok, "{out}");
+        assert_close(
+            &losses(&m),
+            &losses(&l),
+            &format!("mpi vs local, zero {zero}, recompute {recompute}"),
+        );
+    }
 }
 
 /// Builds a `switchyard train` command from extra flags.

@@ -43,8 +43,10 @@ pub struct TrainArgs {
     #[arg(long)]
     pub split: Option<SplitSpec>,
     /// ZeRO stage over the data-parallel replicas: 0 (off), 1 (AdamW's moments sharded:
-    /// gradients reduce-scattered, parameters all-gathered) or 2 (gradients sharded too)
-    #[arg(long, value_name = "0|1|2")]
+    /// gradients reduce-scattered, parameters all-gathered), 2 (gradients sharded too,
+    /// reduce-scattered segment by segment during the backward) or 3 (parameters sharded
+    /// too, gathered segment by segment before use; CPU only)
+    #[arg(long, value_name = "0|1|2|3")]
     pub zero: Option<u8>,
     /// The whole layout in one: `auto` (the fastest that `switchyard plan` finds fitting
     /// --workers and the memory budget) or its text form, such as "dp2 pp2 tp1 1f1b m8"

@@ -94,6 +94,9 @@ pub struct GptStage {
     vocab_size: usize,
     ops: OpsBackend,
     params: Vec<Var>,
+    /// The parameters of each segment (`Stage::segment_params`): the embeddings with the
+    /// first block, the head with the last.
+    segments: Vec<Vec<Var>>,
 }
 
 impl GptStage {
@@ -132,6 +135,7 @@ impl GptStage {
                 normal,
             )
         };
+        let embed_from = store.len();
         let embed = match plan.embed {
             true => Some(Embeddings {
                 wte: wte(&vb)?,
@@ -144,19 +148,25 @@ impl GptStage {
             }),
             false => None,
         };
+        let embed_vars = store.vars()[embed_from..].to_vec();
+        let mut block_vars = Vec::new();
         let blocks = plan
             .blocks
             .clone()
             .map(|i| {
                 let vb = vb.pp(format!("transformer.h.{i}"));
-                Ok(Block {
+                let from = store.len();
+                let block = Block {
                     ln_1: LayerNorm::new(&vb.pp("ln_1"), d)?,
                     attn: ParallelSelfAttention::new(&vb, tp.clone(), d, cfg.n_head, init)?,
                     ln_2: LayerNorm::new(&vb.pp("ln_2"), d)?,
                     mlp: ParallelMlp::new(&vb, tp.clone(), d, 4 * d, init)?,
-                })
+                };
+                block_vars.push(store.vars()[from..].to_vec());
+                Ok(block)
             })
             .collect::<Result<Vec<_>>>()?;
+        let head_from = store.len();
         let head = match plan.head {
             false => None,
             true => {
@@ -178,6 +188,20 @@ impl GptStage {
             }
         };
         let params = store.vars()[first_param..].to_vec();
+        let mut head_vars = store.vars()[head_from..].to_vec();
+        if let Some(h) = &head {
+            // A tied head uses the table, created with the embeddings or by another stage.
+            let w = h.lm_head.weight();
+            if !head_vars.iter().any(|v| v.id() == w.id()) {
+                head_vars.push(w.clone());
+            }
+        }
+        let n = blocks.len().max(1);
+        let mut segments: Vec<Vec<Var>> = (0..n)
+            .map(|i| block_vars.get(i).cloned().unwrap_or_default())
+            .collect();
+        segments[0].splice(0..0, embed_vars);
+        segments[n - 1].extend(head_vars);
         Ok(GptStage {
             plan: plan.clone(),
             embed,
@@ -187,6 +211,7 @@ impl GptStage {
             vocab_size: cfg.vocab_size,
             ops: cfg.ops,
             params,
+            segments,
         })
     }
 
@@ -263,6 +288,24 @@ impl switchyard_pipeline::Stage for GptStage {
     }
     fn end_step(&self) {
         GptStage::end_step(self)
+    }
+    fn segment_params(&self, i: usize) -> Vec<Var> {
+        self.segments.get(i).cloned().unwrap_or_default()
+    }
+    /// Fuses segment `i`'s block weights (in place, after the first time in a step).
+    fn begin_segment(&self, i: usize) -> Result<()> {
+        if let Some(b) = self.blocks.get(i) {
+            b.attn.begin_step()?;
+            b.mlp.begin_step()?;
+        }
+        Ok(())
+    }
+    fn release_segment(&self, i: usize) -> Result<()> {
+        if let Some(b) = self.blocks.get(i) {
+            b.attn.release_step()?;
+            b.mlp.release_step()?;
+        }
+        Ok(())
     }
 }
 
@@ -363,7 +406,9 @@ impl Model for GptConfig {
                 f.tied.push((WTE.into(), rows * d));
             }
         }
+        let mut block = 0;
         for _ in 0..layers {
+            block = 0;
             for elems in [
                 d,
                 d,
@@ -379,8 +424,32 @@ impl Model for GptConfig {
                 d,
             ] {
                 f.add_param(elems);
+                block += elems;
             }
         }
+        // The segments: a block each, the embeddings with the first, the head with the
+        // last; a table tied to a head on the same stage is used by both ends.
+        let tied_here = self.tied_embeddings && plan.embed && plan.head;
+        let table = |own: bool| {
+            if own && !self.tied_embeddings {
+                rows * d
+            } else {
+                0
+            }
+        };
+        let embed_seg = match plan.embed {
+            true => self.block_size * d + table(true),
+            false => 0,
+        };
+        let head_seg = match plan.head {
+            true => 2 * d + table(true),
+            false => 0,
+        };
+        f.shared = if tied_here { rows * d } else { 0 };
+        f.largest_segment = match layers {
+            0 | 1 => block + embed_seg + head_seg,
+            _ => block + embed_seg.max(head_seg),
+        };
         if plan.head {
             f.add_param(d);
             f.add_param(d);

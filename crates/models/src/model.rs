@@ -13,6 +13,7 @@ use std::fmt::Debug;
 
 use candle_core::{DType, Tensor};
 use serde::{de::DeserializeOwned, Serialize};
+use switchyard_pipeline::Stage as _;
 use switchyard_shard::{single_device, ParamSource, ParamStore, TpGroup};
 
 use crate::{plan_stages, LayerCosts, ModelError, SplitSpec, StagePlan};
@@ -102,16 +103,38 @@ pub trait Model:
         self.validate()?;
         let store = ParamStore::new(DType::F32, 0, 1, ParamSource::Init { seed: 0 })
             .map_err(|e| ModelError::Config(e.to_string()))?;
-        self.stage(plan, &store, single_device())
+        let stage = self
+            .stage(plan, &store, single_device())
             .map_err(|e| ModelError::Config(e.to_string()))?;
         let mut f = Footprint::default();
+        let mut local = HashMap::new();
         for p in store.params() {
-            let local = p
+            let shape = p
                 .spec
                 .local_shape(&p.full_shape, tp)
                 .map_err(|e| ModelError::Layout(e.to_string()))?;
-            f.add_param(local.iter().product());
+            let n: usize = shape.iter().product();
+            f.add_param(n);
+            local.insert(p.var.id(), n);
         }
+        let segments: Vec<Vec<candle_core::Var>> = (0..stage.num_segments())
+            .map(|i| stage.segment_params(i))
+            .collect();
+        let mut uses: HashMap<candle_core::TensorId, usize> = HashMap::new();
+        for v in segments.iter().flatten() {
+            *uses.entry(v.id()).or_default() += 1;
+        }
+        let size = |v: &candle_core::Var| local.get(&v.id()).copied().unwrap_or(0);
+        f.shared = uses
+            .iter()
+            .filter(|(_, &n)| n > 1)
+            .map(|(id, _)| local.get(id).copied().unwrap_or(0))
+            .sum();
+        f.largest_segment = segments
+            .iter()
+            .map(|seg| seg.iter().filter(|v| uses[&v.id()] == 1).map(size).sum())
+            .max()
+            .unwrap_or(0);
         Ok(f)
     }
 
@@ -205,6 +228,13 @@ pub struct Footprint {
     /// Elements kept for a whole step besides the parameters (weights the fused ops
     /// pack at the step's start).
     pub step_cache: usize,
+    /// Parameter elements of the stage's largest segment (`Stage::segment_params`),
+    /// without those several segments share: what ZeRO 2 and 3 reduce-scatter, and
+    /// stage 3 gathers, at once.
+    pub largest_segment: usize,
+    /// Parameter elements several of the stage's segments use (a token table tied to
+    /// the head on one stage): ZeRO 2 and 3 keep them whole for the step.
+    pub shared: usize,
     /// What a microbatch's forward keeps for its backward; `None`: not described.
     pub activations: Option<Activations>,
 }

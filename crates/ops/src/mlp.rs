@@ -63,6 +63,9 @@ pub struct PairWeights {
     /// The originals, for the composed twin.
     pub(crate) w: [Tensor; 2],
     pub(crate) b: [Option<Tensor>; 2],
+    /// Whether `fused[k]` is a copy (weight and bias side by side) rather than the
+    /// weight itself.
+    copied: [bool; 2],
 }
 
 impl PairWeights {
@@ -80,17 +83,34 @@ impl PairWeights {
                 }
             }
         }
-        let fuse = |w: &Tensor, b: Option<&Tensor>| match (b, w.dtype()) {
-            (Some(b), DType::F32 | DType::F64) if w.device().is_cpu() => {
-                Tensor::cat(&[w, &b.unsqueeze(1)?], 1)
-            }
+        let copies = |w: &Tensor, b: Option<&Tensor>| {
+            b.is_some() && matches!(w.dtype(), DType::F32 | DType::F64) && w.device().is_cpu()
+        };
+        let fuse = |w: &Tensor, b: Option<&Tensor>| match b {
+            Some(b) if copies(w, Some(b)) => Tensor::cat(&[w, &b.unsqueeze(1)?], 1),
             _ => w.contiguous(),
         };
         Ok(PairWeights {
             fused: [fuse(w1, b1)?, fuse(w2, b2)?],
             w: [w1.clone(), w2.clone()],
             b: [b1.cloned(), b2.cloned()],
+            copied: [
+                copies(w1, b1) || !w1.is_contiguous(),
+                copies(w2, b2) || !w2.is_contiguous(),
+            ],
         })
+    }
+
+    /// The two tensors the fused op reads: `[w1 | b1]` and `[w2 | b2]`, or the weights
+    /// themselves (sharing their storage) where nothing is fused.
+    pub fn fused(&self) -> &[Tensor; 2] {
+        &self.fused
+    }
+
+    /// Whether each of [`PairWeights::fused`] is a tensor of its own (a copy of the
+    /// weight beside its bias) rather than the weight's own storage.
+    pub fn copied(&self) -> [bool; 2] {
+        self.copied
     }
 
     /// `(n1, d)` and `(out, m)`.

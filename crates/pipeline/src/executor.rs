@@ -9,6 +9,10 @@ use serde::Serialize;
 use switchyard_comm::Communicator;
 use switchyard_schedule::{lower, tag, validate, Action, Op, Program};
 
+use crate::segments::{
+    self, backward, forward_graphs, forward_inputs, recompute, Hooked, LossFn, SegmentGrads,
+    SegmentGraph, SegmentHooks,
+};
 use crate::{PipelineError, Stage};
 
 /// One step's microbatches.
@@ -115,6 +119,7 @@ pub struct Executor<'a> {
     stages: BTreeMap<u32, &'a dyn Stage>,
     epoch: Instant,
     recompute: bool,
+    hooks: Option<&'a dyn SegmentHooks>,
 }
 
 /// What a forward pass leaves for its backward pass.
@@ -127,6 +132,8 @@ enum Stashed {
     },
     /// Under recomputation: the input of every segment, without a graph.
     Inputs(Vec<Tensor>),
+    /// With hooks and without recomputation: one graph per segment.
+    Segments(Vec<SegmentGraph>),
 }
 
 impl<'a> Executor<'a> {
@@ -181,6 +188,7 @@ impl<'a> Executor<'a> {
             stages,
             epoch: Instant::now(),
             recompute: false,
+            hooks: None,
         })
     }
 
@@ -191,6 +199,14 @@ impl<'a> Executor<'a> {
     /// more forward per backward.
     pub fn with_recompute(mut self, on: bool) -> Self {
         self.recompute = on;
+        self
+    }
+
+    /// Runs every stage segment by segment with `hooks` around each segment (see
+    /// [`crate::segments`]): under recomputation as without hooks, otherwise keeping one
+    /// autograd graph per segment instead of one per stage.
+    pub fn with_hooks(mut self, hooks: &'a dyn SegmentHooks) -> Self {
+        self.hooks = Some(hooks);
         self
     }
 
@@ -245,7 +261,7 @@ impl<'a> Executor<'a> {
         let mut acts: HashMap<(u32, u32), Tensor> = HashMap::new(); // inputs of (stage, mb)
         let mut grads_in: HashMap<(u32, u32), Tensor> = HashMap::new(); // output grads of (stage, mb)
         let mut outbox: HashMap<(u32, u32, bool), Tensor> = HashMap::new(); // (stage, mb, is_grad)
-        let mut pending_w: HashMap<(u32, u32), Vec<Option<Tensor>>> = HashMap::new();
+        let mut pending_w: HashMap<(u32, u32), SegmentGrads> = HashMap::new();
         let mut acc: BTreeMap<u32, Vec<Option<Tensor>>> = self
             .stages
             .iter()
@@ -291,27 +307,28 @@ impl<'a> Executor<'a> {
                             }
                             .into());
                         };
-                        if self.recompute {
+                        // Segment by segment, the segments make their own variables.
+                        if self.recompute || self.hooks.is_some() {
                             (x, None)
                         } else {
                             let v = Var::from_tensor(&x)?;
                             (v.as_tensor().clone(), Some(v))
                         }
                     };
-                    let (out, stashed) = match self.recompute {
-                        false => {
+                    let hooked = self.hooked(s);
+                    let (out, stashed) = match (self.recompute, self.hooks.is_some()) {
+                        (false, false) => {
                             let out = stage.forward(&x)?;
                             let output = out.clone();
                             (out, Stashed::Graph { input, output })
                         }
-                        true => {
-                            let mut inputs = Vec::with_capacity(stage.num_segments());
-                            let mut h = x;
-                            for i in 0..stage.num_segments() {
-                                let next = stage.forward_segment(i, &h)?.detach();
-                                inputs.push(std::mem::replace(&mut h, next));
-                            }
-                            (h, Stashed::Inputs(inputs))
+                        (false, true) => {
+                            let (out, graphs) = forward_graphs(stage, &x, hooked)?;
+                            (out, Stashed::Segments(graphs))
+                        }
+                        (true, _) => {
+                            let (out, inputs) = forward_inputs(stage, x, hooked)?;
+                            (out, Stashed::Inputs(inputs))
                         }
                     };
                     let stashed = if s == last {
@@ -325,6 +342,10 @@ impl<'a> Executor<'a> {
                                 input,
                                 output: loss,
                             },
+                            Stashed::Segments(mut graphs) => {
+                                graphs.last_mut().expect("a segment").output = loss;
+                                Stashed::Segments(graphs)
+                            }
                             inputs => inputs,
                         }
                     } else {
@@ -370,7 +391,23 @@ impl<'a> Executor<'a> {
                         }
                         .into()
                     };
-                    let (gi, pg) = match st {
+                    let hooked = self.hooked(s);
+                    // With hooks, a `B` hands each segment's gradients over as soon as
+                    // its backward is done; otherwise they are collected (and an `I`
+                    // keeps them for its `W`).
+                    let now = a.op == Op::B && self.hooks.is_some();
+                    let acc_s = acc.get_mut(&s).expect("stage of this rank");
+                    let mut collected: SegmentGrads = Vec::new();
+                    let mut sink = |i: usize, pg: Vec<Option<Tensor>>| -> Result<()> {
+                        match now {
+                            true => hooked.take_grads(vec![(i, pg)], acc_s),
+                            false => {
+                                collected.push((i, pg));
+                                Ok(())
+                            }
+                        }
+                    };
+                    let gi = match st {
                         Stashed::Graph { input, output } => {
                             let grads = backward(&output, g.as_ref(), mb.loss_scale)?;
                             let gi = match &input {
@@ -378,32 +415,40 @@ impl<'a> Executor<'a> {
                                 None => None,
                             }
                             .cloned();
-                            let pg: Vec<Option<Tensor>> = stage
-                                .params()
-                                .iter()
-                                .map(|p| grads.get(p.as_tensor()).cloned())
-                                .collect();
-                            (gi, pg)
+                            sink(0, segments::param_grads(stage, &grads))?;
+                            gi
                         }
                         Stashed::Inputs(inputs) => {
                             let loss = |out: &Tensor| (mb.loss)(out, m as usize);
                             let loss = (s == last).then_some(&loss as &LossFn);
-                            let (gi, pg) = recompute(stage, inputs, g, loss, mb.loss_scale)?;
-                            let gi = match s {
-                                0 => None,
-                                _ => Some(gi.ok_or_else(unused)?),
-                            };
-                            (gi, pg)
+                            recompute(stage, inputs, g, loss, mb.loss_scale, hooked, &mut sink)?
                         }
+                        Stashed::Segments(graphs) => segments::backward_graphs(
+                            stage,
+                            graphs,
+                            g,
+                            mb.loss_scale,
+                            hooked,
+                            &mut sink,
+                        )?,
+                    };
+                    let gi = match (s, gi) {
+                        (0, _) => None,
+                        (_, gi) => Some(gi.ok_or_else(unused)?),
                     };
                     if let Some(gi) = gi {
                         self.hand_off(&mut grads_in, &mut outbox, s - 1, m, gi, true);
                     }
-                    if a.op == Op::B {
-                        add_into(acc.get_mut(&s).expect("stage of this rank"), pg)?;
-                        *held.get_mut(&s).expect("stage of this rank") -= 1;
-                    } else {
-                        pending_w.insert(key, pg);
+                    match a.op {
+                        Op::B => {
+                            if !now {
+                                hooked.take_grads(collected, acc_s)?;
+                            }
+                            *held.get_mut(&s).expect("stage of this rank") -= 1;
+                        }
+                        _ => {
+                            pending_w.insert(key, collected);
+                        }
                     }
                 }
                 Op::W => {
@@ -414,7 +459,8 @@ impl<'a> Executor<'a> {
                         }
                         .into());
                     };
-                    add_into(acc.get_mut(&s).expect("stage of this rank"), pg)?;
+                    self.hooked(s)
+                        .take_grads(pg, acc.get_mut(&s).expect("stage of this rank"))?;
                     self.stage(s)?.backward_weights(m)?;
                     *held.get_mut(&s).expect("stage of this rank") -= 1;
                 }
@@ -483,6 +529,13 @@ impl<'a> Executor<'a> {
         }
     }
 
+    fn hooked(&self, stage: u32) -> Hooked<'a> {
+        Hooked {
+            hooks: self.hooks,
+            stage,
+        }
+    }
+
     fn stage(&self, s: u32) -> Result<&'a dyn Stage> {
         match self.stages.get(&s) {
             Some(st) => Ok(*st),
@@ -513,81 +566,4 @@ impl<'a> Executor<'a> {
             outbox.insert((from, m, is_grad), t);
         }
     }
-}
-
-/// Back-propagates a stashed `output`: `Σ output ⊙ g` for a stage's output and its
-/// upstream gradient `g`, or `output · loss_scale` for a loss.
-fn backward(
-    output: &Tensor,
-    g: Option<&Tensor>,
-    loss_scale: f64,
-) -> Result<candle_core::backprop::GradStore> {
-    let root = match g {
-        Some(g) => output.mul(g)?.sum_all()?,
-        None => output.affine(loss_scale, 0.0)?,
-    };
-    root.backward()
-}
-
-/// The last stage's loss of its output.
-type LossFn<'a> = dyn Fn(&Tensor) -> Result<Tensor> + 'a;
-
-/// The backward of a recomputed stage: its segments run again from their stashed
-/// `inputs`, last first, each with autograd just before its backward, so that only one
-/// segment's graph is alive at a time. `g` is the gradient of the stage's output, or
-/// `None` on the last stage, whose `loss` scores the last segment's output. Returns the
-/// gradient of the stage's input (when it is a float tensor) and of every parameter.
-fn recompute(
-    stage: &dyn Stage,
-    inputs: Vec<Tensor>,
-    mut g: Option<Tensor>,
-    loss: Option<&LossFn>,
-    loss_scale: f64,
-) -> Result<(Option<Tensor>, Vec<Option<Tensor>>)> {
-    let mut pg: Vec<Option<Tensor>> = vec![None; stage.params().len()];
-    let n = inputs.len();
-    for (i, x) in inputs.into_iter().enumerate().rev() {
-        // A float input becomes a variable, to read its gradient.
-        let input = match x.dtype().is_float() {
-            true => Some(Var::from_tensor(&x)?),
-            false => None,
-        };
-        let x = input.as_ref().map_or(x, |v| v.as_tensor().clone());
-        // The recomputed activations are activations, in the backward's memory.
-        let activations = switchyard_mem::scope(switchyard_mem::Category::Activations);
-        let mut out = stage.forward_segment(i, &x)?;
-        if i + 1 == n {
-            if let Some(loss) = loss {
-                out = loss(&out)?;
-            }
-        }
-        drop(activations);
-        let grads = backward(&out, g.as_ref(), loss_scale)?;
-        drop(out);
-        add_into(
-            &mut pg,
-            stage
-                .params()
-                .iter()
-                .map(|p| grads.get(p.as_tensor()).cloned())
-                .collect(),
-        )?;
-        g = input.and_then(|v| grads.get(v.as_tensor()).cloned());
-        if i > 0 && g.is_none() {
-            candle_core::bail!("recomputation: segment {i} does not use its input");
-        }
-    }
-    Ok((g, pg))
-}
-
-fn add_into(acc: &mut [Option<Tensor>], new: Vec<Option<Tensor>>) -> Result<()> {
-    for (a, n) in acc.iter_mut().zip(new) {
-        if let Some(n) = n {
-            *a = Some(match a.take() {
-                Some(prev) => (prev + n)?,
-                None => n,
-            });
-        }
-    }
-    Ok(())
 }

@@ -104,6 +104,7 @@
 
 mod error;
 mod executor;
+pub mod segments;
 mod stage;
 pub mod synthetic;
 
@@ -111,6 +112,7 @@ pub use error::PipelineError;
 pub use executor::{
     step_bubbles, CheckedProgram, Executor, Microbatches, StepOutput, StepStats, TraceEvent,
 };
+pub use segments::SegmentHooks;
 pub use stage::{ModuleStage, Stage};
 pub use synthetic::{
     run_synthetic, timeline_difference, SyntheticClock, SyntheticComm, SyntheticMode, SyntheticRun,

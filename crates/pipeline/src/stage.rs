@@ -27,6 +27,29 @@ pub trait Stage: Send + Sync {
             _ => candle_core::bail!("this stage has one segment, asked for segment {i}"),
         }
     }
+    /// The parameters segment `i` uses (a subset of [`Stage::params`]; a parameter two
+    /// segments use is in both), for hooks that gather a segment's parameters before it
+    /// runs ([`crate::SegmentHooks`], ZeRO stage 3). Default: all of them.
+    fn segment_params(&self, i: usize) -> Vec<Var> {
+        let _ = i;
+        self.params().to_vec()
+    }
+    /// Segment `i`'s parameters have just been (re)written in place, between
+    /// [`Stage::begin_step`] and [`Stage::end_step`] when a caller runs without the
+    /// step's derived tensors (ZeRO stage 3): derive what `begin_step` derives for this
+    /// segment, or write it again in place into the tensors derived before, which saved
+    /// graphs may still use. Default: nothing.
+    fn begin_segment(&self, i: usize) -> Result<()> {
+        let _ = i;
+        Ok(())
+    }
+    /// Segment `i`'s parameters are about to be freed in place: free in place what
+    /// [`Stage::begin_segment`] derived, keeping the tensors (a saved graph refers to
+    /// them; the next `begin_segment` writes them again). Default: nothing.
+    fn release_segment(&self, i: usize) -> Result<()> {
+        let _ = i;
+        Ok(())
+    }
     /// The weight-gradient half of a split backward: called when the executor runs `W`
     /// for `microbatch`, after it has added in the parameter gradients that the `I`
     /// before it kept. The default does nothing: `I` runs the stage's whole backward in

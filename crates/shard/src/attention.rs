@@ -141,6 +141,13 @@ impl ParallelSelfAttention {
         self.fused.end();
     }
 
+    /// Frees the values [`ParallelSelfAttention::begin_step`] fused, in place: the tensors stay (a
+    /// saved graph refers to them) until the next `begin_step` writes them again or
+    /// `end_step` drops them. For parameters freed between uses (ZeRO stage 3).
+    pub fn release_step(&self) -> Result<()> {
+        self.fused.release()
+    }
+
     /// The fused qkv projection.
     pub fn c_attn(&self) -> &ColumnParallelLinear {
         &self.c_attn

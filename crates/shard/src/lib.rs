@@ -85,6 +85,7 @@ mod mlp;
 mod param;
 mod rng;
 mod spec;
+pub mod storage;
 
 pub use attention::{LayerInit, ParallelSelfAttention};
 pub use collectives::{

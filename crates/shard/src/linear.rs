@@ -47,8 +47,39 @@ impl StepCache {
     }
     /// Fuses `col`'s and `row`'s weights for every call of [`StepCache::weights`] until
     /// [`StepCache::end`].
+    ///
+    /// Called again within a step (after [`StepCache::release`]), it writes the weights
+    /// fused now into the tensors fused before, in place: the graphs of earlier
+    /// microbatches saved those.
     pub(crate) fn begin(&self, col: &ColumnParallelLinear, row: &RowParallelLinear) -> Result<()> {
-        *self.lock() = Some(pair_weights(col, row)?);
+        let mut cached = self.lock();
+        match &*cached {
+            Some(old) => {
+                // Where nothing is fused the tensors are the weights themselves.
+                let parts = [
+                    (col.weight().as_tensor(), col.bias().map(|b| b.as_tensor())),
+                    (row.weight().as_tensor(), row.bias().map(|b| b.as_tensor())),
+                ];
+                for ((o, (w, b)), copied) in old.fused().iter().zip(parts).zip(old.copied()) {
+                    if copied {
+                        refill_fused(o, w, b)?;
+                    }
+                }
+            }
+            None => *cached = Some(pair_weights(col, row)?),
+        }
+        Ok(())
+    }
+    /// Frees the fused weights' values in place, keeping the tensors until
+    /// [`StepCache::begin`] fills them again or [`StepCache::end`] drops them.
+    pub(crate) fn release(&self) -> Result<()> {
+        if let Some(w) = &*self.lock() {
+            for (t, copied) in w.fused().iter().zip(w.copied()) {
+                if copied {
+                    crate::storage::free_in_place(t)?;
+                }
+            }
+        }
         Ok(())
     }
     pub(crate) fn end(&self) {
@@ -66,6 +97,38 @@ impl StepCache {
             None => pair_weights(col, row),
         }
     }
+}
+
+/// Writes `[w | b]` (the bias as a last column; `w` alone without one) into `fused`, in
+/// place, without an intermediate copy.
+fn refill_fused(fused: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<()> {
+    if fused.dtype() != candle_core::DType::F32 {
+        let fresh = match b {
+            Some(b) => Tensor::cat(&[w, &b.unsqueeze(1)?], 1)?,
+            None => w.contiguous()?,
+        };
+        return crate::storage::fill_in_place(fused, &fresh);
+    }
+    let (rows, cols) = w.dims2()?;
+    let ld = cols + usize::from(b.is_some());
+    use crate::storage::with_f32_values;
+    crate::storage::fill_f32_with(fused, |dst| {
+        with_f32_values(w, |w| {
+            for (d, s) in dst.chunks_mut(ld).zip(w.chunks(cols)) {
+                d[..cols].copy_from_slice(s);
+            }
+            Ok(())
+        })?;
+        if let Some(b) = b {
+            with_f32_values(b, |b| {
+                for (r, &x) in b.iter().enumerate().take(rows) {
+                    dst[r * ld + cols] = x;
+                }
+                Ok(())
+            })?;
+        }
+        Ok(())
+    })
 }
 
 fn pair_weights(col: &ColumnParallelLinear, row: &RowParallelLinear) -> Result<PairWeights> {

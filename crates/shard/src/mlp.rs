@@ -94,6 +94,13 @@ impl ParallelMlp {
         self.fused.end();
     }
 
+    /// Frees the values [`ParallelMlp::begin_step`] fused, in place: the tensors stay (a
+    /// saved graph refers to them) until the next `begin_step` writes them again or
+    /// `end_step` drops them. For parameters freed between uses (ZeRO stage 3).
+    pub fn release_step(&self) -> Result<()> {
+        self.fused.release()
+    }
+
     /// The input projection.
     pub fn c_fc(&self) -> &ColumnParallelLinear {
         &self.c_fc

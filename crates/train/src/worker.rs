@@ -34,7 +34,7 @@ use crate::checkpoint::RankShard;
 use crate::data::{Dataset, Sampler};
 use crate::error::{fail, Context, Result};
 use crate::optim::{sum_sq, AdamW, LrSchedule};
-use crate::zero::{self, Optimizer, ShardedAdamW};
+use crate::zero::{self, Optimizer, ShardedAdamW, Units, ZeroHooks};
 use crate::{Recompute, TrainConfig};
 
 /// A model's stage as the executor sees it: its own parameters and the tied ones it
@@ -42,6 +42,9 @@ use crate::{Recompute, TrainConfig};
 struct Wrapped<'a, S> {
     stage: &'a S,
     params: &'a [Var],
+    /// ZeRO 3: the parameters are empty at the step's start, so nothing is derived from
+    /// them for the whole step (segments derive theirs when gathered).
+    zero3: bool,
 }
 
 impl<S: ModelStage> Stage for Wrapped<'_, S> {
@@ -60,8 +63,20 @@ impl<S: ModelStage> Stage for Wrapped<'_, S> {
     fn params(&self) -> &[Var] {
         self.params
     }
+    fn segment_params(&self, i: usize) -> Vec<Var> {
+        self.stage.segment_params(i)
+    }
+    fn begin_segment(&self, i: usize) -> candle_core::Result<()> {
+        self.stage.begin_segment(i)
+    }
+    fn release_segment(&self, i: usize) -> candle_core::Result<()> {
+        self.stage.release_segment(i)
+    }
     fn begin_step(&self) -> candle_core::Result<()> {
-        self.stage.begin_step()
+        match self.zero3 {
+            true => Ok(()),
+            false => self.stage.begin_step(),
+        }
     }
     fn end_step(&self) {
         self.stage.end_step()
@@ -113,6 +128,8 @@ pub struct Worker<'a, M: Model> {
     /// Each tied parameter this rank holds whose copies live on other pipeline ranks
     /// too: its index and the group of the ranks that hold a copy.
     tied: Vec<(usize, Arc<dyn Communicator>)>,
+    /// ZeRO 2 and 3: the buckets of the segments and the resident parameters.
+    units: Option<Units>,
     pub opt: Optimizer,
     pub schedule: LrSchedule,
     data: &'a dyn Dataset,
@@ -214,18 +231,38 @@ impl<'a, M: Model> Worker<'a, M> {
             }
         }
         drop(category);
+        let index: HashMap<TensorId, usize> = index;
+        let sizes: Vec<usize> = params.iter().map(|p| p.var.elem_count()).collect();
+        let units = (cfg.zero >= 2).then(|| {
+            let refs: Vec<(u32, &dyn Stage)> = stages
+                .iter()
+                .map(|(s, st)| (*s, st as &dyn Stage))
+                .collect();
+            let pinned: Vec<usize> = tied.iter().map(|(i, _)| *i).collect();
+            Units::new(&refs, &index, &sizes, &pinned, cfg.bucket_mib)
+        });
         let opt = {
             let _optimizer = switchyard_mem::scope(Category::Optimizer);
             let vars: Vec<Var> = params.iter().map(|p| p.var.clone()).collect();
-            match cfg.zero {
-                0 => Optimizer::Full(AdamW::new(vars, cfg.adamw())),
-                _ => {
-                    let sizes: Vec<usize> = vars.iter().map(|v| v.elem_count()).collect();
-                    let layout = zero::Layout::new(&sizes, cfg.bucket_mib, cfg.dp, mesh.coord.dp);
+            let dp = (cfg.dp, mesh.coord.dp);
+            match (cfg.zero, &units) {
+                (0, _) => Optimizer::Full(AdamW::new(vars, cfg.adamw())),
+                (_, Some(u)) => {
+                    let layout = zero::Layout::of_groups(u.groups.clone(), &sizes, dp.0, dp.1);
+                    Optimizer::Sharded(ShardedAdamW::new(vars, cfg.adamw(), layout))
+                }
+                (_, None) => {
+                    let layout = zero::Layout::new(&sizes, cfg.bucket_mib, dp.0, dp.1);
                     Optimizer::Sharded(ShardedAdamW::new(vars, cfg.adamw(), layout))
                 }
             }
         };
+        let mut opt = opt;
+        if let (3, Optimizer::Sharded(o)) = (cfg.zero, &mut opt) {
+            let _parameters = switchyard_mem::scope(Category::Parameters);
+            o.shard_params()
+                .context("ZeRO 3: cutting the parameters into this replica's shards")?;
+        }
         let schedule = LrSchedule {
             max_lr: cfg.lr,
             min_lr: cfg.min_lr,
@@ -243,6 +280,7 @@ impl<'a, M: Model> Worker<'a, M> {
             index,
             owned,
             tied,
+            units,
             opt,
             schedule,
             data,
@@ -267,6 +305,11 @@ impl<'a, M: Model> Worker<'a, M> {
         &self.store
     }
 
+    /// ZeRO 2 and 3: how the parameters are cut into the segments' buckets.
+    pub fn zero_units(&self) -> Option<&Units> {
+        self.units.as_ref()
+    }
+
     /// `t` (a batch from the data, or an activation a communicator handed back in host
     /// memory) on the device of this rank's parameters; itself when it is there.
     fn on_device(&self, t: &Tensor) -> Result<Tensor> {
@@ -275,8 +318,29 @@ impl<'a, M: Model> Worker<'a, M> {
 
     /// Forward and backward over this step's microbatches: this rank's gradient of each
     /// parameter (not yet summed over replicas or tied copies), the losses of the
-    /// microbatches that ended here, and the executor's measurements.
+    /// microbatches that ended here, and the executor's measurements. Under ZeRO 3 the
+    /// parameters are gathered whole for it (for parity tests: a step reduce-scatters
+    /// segment by segment instead).
     pub fn compute_grads(&self, step: usize) -> Result<(Vec<Option<Tensor>>, Vec<f64>, StepStats)> {
+        let (grads, losses, stats, _) = self.gathered(|| self.run_pipeline(step, false))?;
+        Ok((grads, losses, stats))
+    }
+
+    /// [`Worker::compute_grads`]; with `segmented` (ZeRO 2 and 3) through the ZeRO
+    /// hooks: the gradients of the segments' buckets come back as this replica's
+    /// summed shards (the last value, one per bucket), the resident parameters' in the
+    /// first.
+    #[allow(clippy::type_complexity)]
+    fn run_pipeline(
+        &self,
+        step: usize,
+        segmented: bool,
+    ) -> Result<(
+        Vec<Option<Tensor>>,
+        Vec<f64>,
+        StepStats,
+        Option<Vec<Tensor>>,
+    )> {
         let c = &self.cfg;
         let (m, mbs) = (c.microbatches, c.microbatch_size());
         let per_replica = c.batch / c.dp;
@@ -303,7 +367,11 @@ impl<'a, M: Model> Worker<'a, M> {
             .stages
             .iter()
             .zip(&self.stage_params)
-            .map(|((_, stage), params)| Wrapped { stage, params })
+            .map(|((_, stage), params)| Wrapped {
+                stage,
+                params,
+                zero3: self.cfg.zero == 3,
+            })
             .collect();
         let refs: Vec<(u32, &dyn Stage)> = self
             .stages
@@ -311,14 +379,30 @@ impl<'a, M: Model> Worker<'a, M> {
             .zip(&wrapped)
             .map(|((s, _), w)| (*s, w as &dyn Stage))
             .collect();
-        let exec = Executor::with_checked(&self.program, &*self.mesh.pp, refs)?
+        let hooks = match (segmented, &self.units, &self.opt) {
+            (true, Some(units), Optimizer::Sharded(o)) => {
+                Some(ZeroHooks::new(units, o, &*self.mesh.dp, &refs, &self.index))
+            }
+            _ => None,
+        };
+        let mut exec = Executor::with_checked(&self.program, &*self.mesh.pp, refs)?
             .with_epoch(self.epoch)
             .with_recompute(self.cfg.recompute == Recompute::Full);
-        let out = exec.run(&Microbatches {
+        if let Some(h) = &hooks {
+            exec = exec.with_hooks(h);
+        }
+        let microbatches = Microbatches {
             inputs,
             loss: &loss,
             loss_scale: 1.0 / (m * c.dp) as f64,
-        })?;
+        };
+        // ZeRO 3: the resident parameters stay whole for the step.
+        let out = match (&hooks, &self.units, &self.opt) {
+            (Some(_), Some(units), Optimizer::Sharded(o)) if o.held.is_some() => {
+                self.with_buckets(o, &units.resident, || Ok(exec.run(&microbatches)?))?
+            }
+            _ => exec.run(&microbatches)?,
+        };
         let mut grads: Vec<Option<Tensor>> = vec![None; self.params.len()];
         for ((_, gs), w) in out.grads.into_iter().zip(&wrapped) {
             for (g, v) in gs.into_iter().zip(w.params) {
@@ -332,13 +416,45 @@ impl<'a, M: Model> Worker<'a, M> {
             }
         }
         let losses = out.losses.into_iter().map(|(_, l)| l).collect();
-        Ok((grads, losses, out.stats))
+        let shards = hooks.map(ZeroHooks::into_shards).transpose()?;
+        Ok((grads, losses, out.stats, shards))
+    }
+
+    /// Runs `f` with buckets `which` of a ZeRO 3 optimizer gathered (collective over
+    /// `dp`), freeing them after, also when `f` fails.
+    fn with_buckets<R>(
+        &self,
+        o: &ShardedAdamW,
+        which: &[usize],
+        f: impl FnOnce() -> Result<R>,
+    ) -> Result<R> {
+        for &k in which {
+            o.gather(&*self.mesh.dp, k)
+                .context("ZeRO 3: gathering the parameters")?;
+        }
+        let out = f();
+        for &k in which {
+            o.release(k)?;
+        }
+        out
+    }
+
+    /// Runs `f` with every parameter whole: under ZeRO 3 all of them are gathered
+    /// first (a collective over `dp`) and freed after; otherwise `f` alone.
+    pub fn gathered<R>(&self, f: impl FnOnce() -> Result<R>) -> Result<R> {
+        match &self.opt {
+            Optimizer::Sharded(o) if o.held.is_some() => {
+                let all: Vec<usize> = (0..o.layout.buckets.len()).collect();
+                self.with_buckets(o, &all, f)
+            }
+            _ => f(),
+        }
     }
 
     /// Sums the tied copies' gradients and averages over data-parallel replicas (with an
     /// all-reduce, whatever `--zero` says: the full gradients, for parity tests).
     pub fn sync_grads(&self, grads: &mut [Option<Tensor>]) -> Result<()> {
-        self.sync_tied(grads)?;
+        self.sync_tied(grads, true)?;
         if self.cfg.dp > 1 {
             let _gradients = switchyard_mem::scope(Category::Gradients);
             self.all_reduce_buckets(grads)?;
@@ -346,12 +462,12 @@ impl<'a, M: Model> Worker<'a, M> {
         Ok(())
     }
 
-    /// Gives every parameter a gradient (zeros where this rank computed none) and sums
-    /// the tied copies' gradients.
-    fn sync_tied(&self, grads: &mut [Option<Tensor>]) -> Result<()> {
+    /// Gives every parameter (with `fill_all`; else the tied ones) a gradient (zeros
+    /// where this rank computed none) and sums the tied copies' gradients.
+    fn sync_tied(&self, grads: &mut [Option<Tensor>], fill_all: bool) -> Result<()> {
         let _gradients = switchyard_mem::scope(Category::Gradients);
-        for (g, p) in grads.iter_mut().zip(&self.params) {
-            if g.is_none() {
+        for (i, (g, p)) in grads.iter_mut().zip(&self.params).enumerate() {
+            if g.is_none() && (fill_all || self.tied.iter().any(|(t, _)| *t == i)) {
                 *g = Some(p.var.zeros_like()?);
             }
         }
@@ -400,7 +516,8 @@ impl<'a, M: Model> Worker<'a, M> {
     /// One full training step (see the module docs). Collective over the world.
     pub fn step(&mut self, step: usize) -> Result<std::result::Result<StepMetrics, NonFinite>> {
         let t0 = Instant::now();
-        let (mut grads, losses, exec) = self.compute_grads(step)?;
+        let (mut grads, losses, exec, segment_shards) =
+            self.run_pipeline(step, self.units.is_some())?;
         // ZeRO: this replica's shard of every bucket, summed over the replicas.
         let mut shards = None;
         let (sq_owned, bad_grad) = match &self.opt {
@@ -420,13 +537,31 @@ impl<'a, M: Model> Worker<'a, M> {
                 (sq_owned, bad_grad)
             }
             Optimizer::Sharded(o) => {
-                self.sync_tied(&mut grads)?;
+                // Stage 1 reduce-scatters every bucket now; stages 2 and 3 did their
+                // segments' during the backward, and do the resident ones now.
+                let (which, mut s) = match (&self.units, segment_shards) {
+                    (Some(u), Some(s)) => (u.resident.clone(), s),
+                    _ => ((0..o.layout.buckets.len()).collect(), Vec::new()),
+                };
+                self.sync_tied(&mut grads, self.units.is_none())?;
                 let _gradients = switchyard_mem::scope(Category::Gradients);
-                let s =
-                    zero::reduce_scatter(&o.layout, &*self.mesh.dp, &mut grads, self.cfg.zero == 1)
-                        .with_context(|| {
-                            format!("ZeRO {}: the gradients' reduce-scatter", self.cfg.zero)
-                        })?;
+                let scattered = zero::reduce_scatter(
+                    &o.layout,
+                    which,
+                    &*self.mesh.dp,
+                    &mut grads,
+                    self.cfg.zero == 1,
+                )
+                .with_context(|| {
+                    format!("ZeRO {}: the gradients' reduce-scatter", self.cfg.zero)
+                })?;
+                if s.is_empty() {
+                    s = scattered.into_iter().map(|(_, t)| t).collect();
+                } else {
+                    for (k, t) in scattered {
+                        s[k] = t;
+                    }
+                }
                 // Every replica adds the squares of its own shard: together, each
                 // element once.
                 let (sq, bad) = zero::shard_norm(&o.layout, &s, &self.owned)?;
@@ -534,6 +669,14 @@ impl<'a, M: Model> Worker<'a, M> {
         if self.data.validation().is_none() {
             return Ok(None);
         }
+        self.gathered(|| self.score_validation(batches))
+    }
+
+    /// [`Worker::validation_loss`] with the parameters whole.
+    fn score_validation(&self, batches: usize) -> Result<Option<f64>> {
+        if self.data.validation().is_none() {
+            return Ok(None);
+        }
         let c = &self.cfg;
         let sampler = Sampler::validation(c);
         let (m, mbs) = (c.microbatches, c.microbatch_size());
@@ -622,33 +765,35 @@ impl<'a, M: Model> Worker<'a, M> {
             ),
             Optimizer::Full(_) => None,
         };
-        if self.mesh.coord.dp != 0 {
-            return Ok(Vec::new());
-        }
-        let (tp_rank, tp_size) = (self.mesh.coord.tp, self.cfg.tp);
-        let mut out = Vec::new();
-        for (i, (p, owned)) in self.params.iter().zip(&self.owned).enumerate() {
-            if !owned {
-                continue;
+        self.gathered(|| {
+            if self.mesh.coord.dp != 0 {
+                return Ok(Vec::new());
             }
-            let (m, v) = match (&self.opt, &gathered) {
-                (Optimizer::Full(o), _) => (&o.moments[i].m, &o.moments[i].v),
-                (Optimizer::Sharded(_), Some(g)) => (&g[i].0, &g[i].1),
-                (Optimizer::Sharded(_), None) => unreachable!("gathered above"),
-            };
-            let shape = p.var.shape().clone();
-            out.push(RankShard {
-                name: p.name.clone(),
-                spec: p.spec,
-                full_shape: p.full_shape.clone(),
-                tp_rank,
-                tp_size,
-                value: p.var.as_tensor().copy()?,
-                m: Tensor::from_vec(m.clone(), &shape, &Device::Cpu)?,
-                v: Tensor::from_vec(v.clone(), &shape, &Device::Cpu)?,
-            });
-        }
-        Ok(out)
+            let (tp_rank, tp_size) = (self.mesh.coord.tp, self.cfg.tp);
+            let mut out = Vec::new();
+            for (i, (p, owned)) in self.params.iter().zip(&self.owned).enumerate() {
+                if !owned {
+                    continue;
+                }
+                let (m, v) = match (&self.opt, &gathered) {
+                    (Optimizer::Full(o), _) => (&o.moments[i].m, &o.moments[i].v),
+                    (Optimizer::Sharded(_), Some(g)) => (&g[i].0, &g[i].1),
+                    (Optimizer::Sharded(_), None) => unreachable!("gathered above"),
+                };
+                let shape = p.var.shape().clone();
+                out.push(RankShard {
+                    name: p.name.clone(),
+                    spec: p.spec,
+                    full_shape: p.full_shape.clone(),
+                    tp_rank,
+                    tp_size,
+                    value: p.var.as_tensor().copy()?,
+                    m: Tensor::from_vec(m.clone(), &shape, &Device::Cpu)?,
+                    v: Tensor::from_vec(v.clone(), &shape, &Device::Cpu)?,
+                });
+            }
+            Ok(out)
+        })
     }
 
     /// Restores the optimizer from full moments (any earlier layout) and its step count.

@@ -194,14 +194,15 @@ fn recomputation_is_predicted_and_shrinks_the_activations() {
     );
 }
 
-/// ZeRO stages 1 and 2 (issue 16 §2): the optimizer state of `1/dp`, the shards of the
-/// gradients after the reduce-scatter, with data parallelism alone and with a pipeline
-/// and tensor parallelism.
+/// ZeRO stages 1 to 3 (issue 16 §2): the optimizer state of `1/dp`, the shards of the
+/// gradients (after the reduce-scatter; stages 2 and 3 segment by segment during the
+/// backward), stage 3's shards of the parameters and one gathered segment, with data
+/// parallelism alone and with a pipeline and tensor parallelism.
 #[test]
 fn zero_is_predicted_within_ten_percent() {
     let mut worst: f64 = 0.0;
     for layout in [(2, 1, 1), (4, 1, 1), (2, 2, 1), (2, 1, 2)] {
-        for zero in [1, 2] {
+        for zero in [1, 2, 3] {
             let mut c = cfg(layout, "1f1b", gpt(128, 8));
             c.seq_len = 64;
             c.model.block_size = 64;

@@ -97,40 +97,82 @@ fn the_first_pipeline_stage_stashes_more_activations_than_the_last() {
     assert!(act(0) > act(1), "stage 0 {} vs stage 1 {}", act(0), act(1));
 }
 
-/// ZeRO (issue 16 §2): the optimizer category of every rank drops to `1/dp` of the
-/// moments (`16·⌈Ψ/dp⌉` bytes, two f64 moments), whatever the stage; parameters stay
-/// whole.
+/// The parameter elements of the largest segment of a one-stage GPT (a block, with the
+/// embeddings in the first and the head in the last).
+fn largest_segment(c: &TrainConfig<GptConfig>) -> usize {
+    let n = c.model.n_layer;
+    let mut seg = vec![0; n];
+    for (name, shape) in Model::param_shapes(&c.model).unwrap() {
+        let size: usize = shape.iter().product();
+        let i = match name.strip_prefix("transformer.h.") {
+            Some(rest) => rest.split('.').next().unwrap().parse().unwrap(),
+            None if name.contains("wte") || name.contains("wpe") => 0,
+            None => n - 1,
+        };
+        seg[i] += size;
+    }
+    seg.into_iter().max().unwrap()
+}
+
+/// ZeRO (issue 16 §2), measured at each rank's peak, for `Ψ` parameter elements:
+/// - the optimizer category drops to `1/dp` of the moments (`16·⌈Ψ/dp⌉` bytes, two f64
+///   moments), whatever the stage;
+/// - stages 2 and 3 keep `4·⌈Ψ/dp⌉` bytes of gradient shards plus one segment's full
+///   gradients (at most twice: a fused op's weight gradient is `[w | b]`, split into
+///   the weight's and the bias's; the bucket they are flattened into for the
+///   reduce-scatter is `comm`), where stages 0 and 1 keep every full gradient;
+/// - stage 3 holds `4·⌈Ψ/dp⌉` bytes of parameter shards plus the one segment gathered at
+///   the time (its fused weights are `other`, its gathered buffer `comm`).
 #[test]
 fn zero_shards_the_optimizer_state_over_the_replicas() {
     for dp in [2, 4] {
         let mut base = cfg(dp, 1, 1);
         base.batch = 4 * dp;
         let params = base.model.param_count();
+        let shard = 4 * params.div_ceil(dp);
+        let segment = 4 * largest_segment(&base);
         let n = Model::param_shapes(&base.model).unwrap().len();
-        for zero in [0, 1, 2] {
+        for zero in [0, 1, 2, 3] {
             let c = TrainConfig {
                 zero,
                 ..base.clone()
             };
             for m in memory(&c) {
                 let cat = |k: &str| m.bytes_by_category[k];
+                let what = format!("dp {dp} zero {zero} rank {}", m.rank);
                 eprintln!(
-                    "dp {dp} zero {zero} rank {}: optimizer {} B, gradients {} B, parameters {} B, peak {} B",
-                    m.rank,
+                    "{what}: optimizer {} B, gradients {} B, parameters {} B, peak {} B",
                     cat("optimizer"),
                     cat("gradients"),
                     cat("parameters"),
                     m.peak_bytes
                 );
-                about(cat("parameters"), 4 * params, n, "parameters");
+                match zero {
+                    3 => about(
+                        cat("parameters"),
+                        shard + segment,
+                        n,
+                        &format!("{what}: the parameters' shards and one segment"),
+                    ),
+                    _ => about(cat("parameters"), 4 * params, n, "parameters"),
+                }
                 match zero {
                     0 => about(cat("optimizer"), 16 * params, n, "AdamW moments"),
                     _ => about(
                         cat("optimizer"),
                         16 * params.div_ceil(dp),
-                        // One bucket: its two moment vectors and the layout.
-                        4,
-                        &format!("dp {dp} zero {zero}: a replica's shard of the moments"),
+                        // Per bucket: its two moment vectors and the layout.
+                        n,
+                        &format!("{what}: a replica's shard of the moments"),
+                    ),
+                }
+                let grads = cat("gradients");
+                match zero {
+                    0 | 1 => assert!(grads >= 4 * params, "{what}: {grads} B of gradients"),
+                    _ => assert!(
+                        grads >= shard && grads <= shard + 2 * segment + 64 * 1024,
+                        "{what}: {grads} B of gradients for {shard} B of shards and \
+                         {segment} B in the largest segment"
                     ),
                 }
             }

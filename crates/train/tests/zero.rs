@@ -24,13 +24,16 @@ use switchyard_comm::{Communicator, Counting, Traffic};
 use switchyard_models::GptConfig;
 use switchyard_shard::{gather_full_tensor, ParamSource};
 use switchyard_train::data::Corpus;
-use switchyard_train::zero::Layout;
-use switchyard_train::{train, Resume, TrainConfig, TrainError, TrainOptions, Worker};
+use switchyard_train::testing::{schedules, LAYOUTS};
+use switchyard_train::zero::{Layout, Units};
+use switchyard_train::{train, Recompute, Resume, TrainConfig, TrainError, TrainOptions, Worker};
 
 /// What a run of `steps` steps left: the losses, every replica's full parameters by
 /// name, and each rank's moment elements.
 struct Run {
     losses: Vec<f64>,
+    /// The global gradient norm of every step.
+    norms: Vec<f64>,
     /// Per data-parallel replica, the full parameters (gathered over tp, from every
     /// pipeline rank).
     replicas: Vec<BTreeMap<String, Tensor>>,
@@ -48,24 +51,26 @@ fn run_steps(cfg: &TrainConfig<GptConfig>, steps: usize) -> Run {
                 let m = w.step(step)?.map_err(|e| {
                     TrainError::Config(format!("step {}: not finite on rank {}", e.step, e.rank))
                 })?;
-                losses.push(m.loss);
+                losses.push((m.loss, m.grad_norm));
             }
             let tp = w.mesh.tp.clone();
-            let full = w
-                .params()
-                .iter()
-                .map(|p| {
-                    Ok((
-                        p.name.clone(),
-                        gather_full_tensor(&*tp, &p.spec, p.var.as_tensor())?,
-                    ))
-                })
-                .collect::<Result<Vec<_>, TrainError>>()?;
+            // ZeRO 3 keeps shards: gathered whole for the comparison.
+            let full = w.gathered(|| {
+                w.params()
+                    .iter()
+                    .map(|p| {
+                        Ok((
+                            p.name.clone(),
+                            gather_full_tensor(&*tp, &p.spec, p.var.as_tensor())?,
+                        ))
+                    })
+                    .collect::<Result<Vec<_>, TrainError>>()
+            })?;
             Ok::<_, TrainError>((w.mesh.coord, losses, full, w.opt.moment_elems()))
         })
         .unwrap_or_else(|e| panic!("{e:#}"));
     let mut replicas = vec![BTreeMap::new(); cfg.dp];
-    let mut losses = Vec::new();
+    let mut losses: Vec<(f64, f64)> = Vec::new();
     let mut moment_elems = Vec::new();
     for (coord, l, full, elems) in outs {
         if losses.is_empty() {
@@ -75,7 +80,8 @@ fn run_steps(cfg: &TrainConfig<GptConfig>, steps: usize) -> Run {
         moment_elems.push(elems);
     }
     Run {
-        losses,
+        norms: losses.iter().map(|l| l.1).collect(),
+        losses: losses.iter().map(|l| l.0).collect(),
         replicas,
         moment_elems,
     }
@@ -88,7 +94,19 @@ fn with_zero(cfg: &TrainConfig<GptConfig>, zero: u8) -> TrainConfig<GptConfig> {
     }
 }
 
-/// 20 steps of `cfg` with ZeRO 1 and 2 against `--zero 0`.
+/// 20 steps of `cfg` with ZeRO 1, 2 and 3 against `--zero 0`.
+///
+/// Stage 1 sums each gradient in the same order as `--zero 0` (the microbatches on each
+/// replica, then the replicas), so everything agrees within 1e-6: losses, gradient
+/// norms and parameters. Stages 2 and 3 reduce-scatter every microbatch's gradients
+/// as the backward makes them (that is their memory saving), so they sum the replicas
+/// first and the microbatches after: the same sum in another order. Losses and the
+/// global gradient norm of every step still agree within 1e-6; the parameters are
+/// compared within 1e-6 with one microbatch per replica, where the order is the same.
+/// (With several, parameters whose true gradient is zero, such as the attention's key
+/// bias, follow the rounding noise of their gradient through AdamW's normalisation,
+/// and a different summation order moves them by up to 1e-4 of the tensor's largest
+/// value in 20 steps, as it does between two data-parallel layouts.)
 fn assert_zero_parity(cfg: &TrainConfig<GptConfig>) {
     let what = format!("dp {} pp {} tp {}", cfg.dp, cfg.pp, cfg.tp);
     let want = run_steps(&with_zero(cfg, 0), 20);
@@ -97,33 +115,22 @@ fn assert_zero_parity(cfg: &TrainConfig<GptConfig>) {
         "{what}: the run must learn: {:?}",
         want.losses
     );
-    for zero in [1, 2] {
+    let one = TrainConfig {
+        microbatches: 1,
+        ..cfg.clone()
+    };
+    let want_one = run_steps(&with_zero(&one, 0), 20);
+    for zero in [1, 2, 3] {
+        let what = format!("{what} zero {zero}");
         let got = run_steps(&with_zero(cfg, zero), 20);
-        for (step, (g, w)) in got.losses.iter().zip(&want.losses).enumerate() {
-            let e = (g - w).abs() / w.abs();
-            assert!(
-                e <= 1e-6,
-                "{what} zero {zero}: step {step} loss {g} vs {w} ({e:.2e})"
-            );
-        }
-        for (name, w) in &want.replicas[0] {
-            let g = &got.replicas[0][name];
-            let e = rel_err(g, w);
-            assert!(
-                e <= 1e-6,
-                "{what} zero {zero}: {name} after 20 steps differs by {e:.2e}"
-            );
-            // Every replica holds exactly the same parameters after the all-gather.
-            for (r, rep) in got.replicas.iter().enumerate().skip(1) {
-                let d = (&rep[name] - g)
-                    .unwrap()
-                    .abs()
-                    .unwrap()
-                    .max_all()
-                    .unwrap()
-                    .to_scalar::<f32>()
-                    .unwrap();
-                assert_eq!(d, 0.0, "{what} zero {zero}: {name} on replica {r}");
+        assert_same_curves(&what, &got, &want);
+        // The parameters where the order of the sums is the same.
+        match zero {
+            1 => assert_same_params(&what, &got, &want),
+            _ => {
+                let got_one = run_steps(&with_zero(&one, zero), 20);
+                assert_same_curves(&format!("{what} m 1"), &got_one, &want_one);
+                assert_same_params(&format!("{what} m 1"), &got_one, &want_one);
             }
         }
         // The optimizer keeps 1/dp of the moments, plus at most dp − 1 elements of
@@ -132,8 +139,50 @@ fn assert_zero_parity(cfg: &TrainConfig<GptConfig>) {
         let sharded: usize = got.moment_elems.iter().sum();
         assert!(
             sharded * cfg.dp >= full && sharded * cfg.dp <= full + 64 * cfg.dp * cfg.dp,
-            "{what} zero {zero}: {sharded} moment elements over all ranks, {full} without ZeRO"
+            "{what}: {sharded} moment elements over all ranks, {full} without ZeRO"
         );
+    }
+}
+
+/// Losses and global gradient norms of every step within 1e-6 relative.
+fn assert_same_curves(what: &str, got: &Run, want: &Run) {
+    for (step, ((g, w), (gn, wn))) in got
+        .losses
+        .iter()
+        .zip(&want.losses)
+        .zip(got.norms.iter().zip(&want.norms))
+        .enumerate()
+    {
+        let e = (g - w).abs() / w.abs();
+        assert!(e <= 1e-6, "{what}: step {step} loss {g} vs {w} ({e:.2e})");
+        let e = (gn - wn).abs() / wn.abs();
+        assert!(
+            e <= 1e-6,
+            "{what}: step {step} gradient norm {gn} vs {wn} ({e:.2e})"
+        );
+    }
+}
+
+/// Every parameter within 1e-6 relative, and every replica's the same bit for bit.
+fn assert_same_params(what: &str, got: &Run, want: &Run) {
+    for (name, w) in &want.replicas[0] {
+        let g = &got.replicas[0][name];
+        let e = rel_err(g, w);
+        assert!(
+            e <= 1e-6,
+            "{what}: {name} after 20 steps differs by {e:.2e}"
+        );
+        for (r, rep) in got.replicas.iter().enumerate().skip(1) {
+            let d = (&rep[name] - g)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap();
+            assert_eq!(d, 0.0, "{what}: {name} on replica {r}");
+        }
     }
 }
 
@@ -164,12 +213,45 @@ fn zero_with_padded_buckets_ties_and_decay_on_every_parameter() {
     assert_zero_parity(&c);
 }
 
+#[test]
+fn zero_two_and_three_work_with_every_layout_schedule_and_recomputation() {
+    // Every layout with data parallelism, under every schedule, with each recomputation:
+    // the losses and gradient norms of `--zero 0` (see `assert_zero_parity` for why not
+    // the parameters bit for bit).
+    for (dp, pp, tp) in LAYOUTS.into_iter().filter(|l| l.0 > 1) {
+        for s in schedules(pp) {
+            for recompute in Recompute::ALL {
+                let mut c = tiny(dp, pp, tp, s);
+                c.recompute = recompute;
+                let want = run_steps(&c, 4);
+                for zero in [2, 3] {
+                    let what =
+                        format!("dp {dp} pp {pp} tp {tp} {s} recompute {recompute} zero {zero}");
+                    assert_same_curves(&what, &run_steps(&with_zero(&c, zero), 4), &want);
+                }
+            }
+        }
+    }
+    // The composed ops use the parameters' own storage (nothing fused to refill), and a
+    // table tied to the head on one stage stays whole for the step.
+    for (layout, tied) in [((2, 2, 2), false), ((2, 1, 1), true)] {
+        let mut c = tiny_ops(layout.0, layout.1, layout.2, "1f1b", OpsBackend::Composed);
+        c.model.tied_embeddings = tied;
+        let want = run_steps(&c, 4);
+        for zero in [2, 3] {
+            let what = format!("{layout:?} composed tied {tied} zero {zero}");
+            assert_same_curves(&what, &run_steps(&with_zero(&c, zero), 4), &want);
+        }
+    }
+}
+
 /// The traffic of one rank's data-parallel group over `steps` steps, and the rank's
 /// ZeRO layout of its parameters.
+#[allow(clippy::type_complexity)]
 fn dp_traffic(
     cfg: &TrainConfig<GptConfig>,
     steps: usize,
-) -> Vec<(usize, [Traffic; 3], Vec<usize>)> {
+) -> Vec<(usize, [Traffic; 3], Vec<usize>, Option<Units>)> {
     let corpus = Corpus::bundled();
     Launcher::new(cfg.world_size())
         .threads_per_worker(1)
@@ -185,6 +267,7 @@ fn dp_traffic(
                 w.mesh.world.rank(),
                 [t("all_reduce"), t("reduce_scatter"), t("all_gather")],
                 sizes,
+                w.zero_units().cloned(),
             ))
         })
         .unwrap_or_else(|e| panic!("{e:#}"))
@@ -202,48 +285,103 @@ fn zero_moves_the_bytes_of_the_all_reduce() {
         c.bucket_mib = bucket_mib;
         let steps = 2;
         let base = dp_traffic(&with_zero(&c, 0), steps);
-        for zero in [1, 2] {
-            let got = dp_traffic(&with_zero(&c, zero), steps);
-            for ((rank, want, sizes), (_, [ar, rs, ag], _)) in base.iter().zip(&got) {
-                let what = format!("dp {dp} pp {pp} tp {tp} zero {zero} rank {rank}");
-                let layout = Layout::new(sizes, bucket_mib, dp, 0);
-                let n = layout.buckets.len();
-                let len: usize = layout.buckets.iter().map(|b| b.len).sum();
-                let padded: usize = layout.buckets.iter().map(|b| b.padded(dp)).sum();
-                // Without ZeRO: one all-reduce of every bucket per step.
-                assert_eq!(
-                    want[0],
-                    Traffic {
-                        calls: n * steps,
-                        bytes: (4 * len * steps) as u128
-                    },
-                    "{what}: the all-reduce"
-                );
-                assert_eq!(want[1].calls + want[2].calls, 0, "{what}");
-                // With ZeRO: no all-reduce on dp; one reduce-scatter of every padded
-                // bucket (f32 gradients) and one all-gather of every padded bucket (f32
-                // parameters) per step.
-                assert_eq!(ar.calls, 0, "{what}: an all-reduce");
-                let once = Traffic {
+        // Stage 1: the buckets of stage 0, reduce-scattered and gathered once a step.
+        let zero = 1;
+        let got = dp_traffic(&with_zero(&c, zero), steps);
+        for ((rank, want, sizes, _), (_, [ar, rs, ag], _, _)) in base.iter().zip(&got) {
+            let what = format!("dp {dp} pp {pp} tp {tp} zero {zero} rank {rank}");
+            let layout = Layout::new(sizes, bucket_mib, dp, 0);
+            let n = layout.buckets.len();
+            let len: usize = layout.buckets.iter().map(|b| b.len).sum();
+            let padded: usize = layout.buckets.iter().map(|b| b.padded(dp)).sum();
+            // Without ZeRO: one all-reduce of every bucket per step.
+            assert_eq!(
+                want[0],
+                Traffic {
                     calls: n * steps,
-                    bytes: (4 * padded * steps) as u128,
-                };
-                assert_eq!(*rs, once, "{what}: the reduce-scatter");
-                assert_eq!(*ag, once, "{what}: the all-gather");
-                // On a ring each rank sends (dp − 1)/dp of a reduce-scatter's and of an
-                // all-gather's bytes and 2·(dp − 1)/dp of an all-reduce's: the same
-                // bytes, but for the padding (dp − 1)/dp · 2 · 4 · (padded − len).
-                let ring = |t: &Traffic, k: u128| t.bytes * k * (dp as u128 - 1);
+                    bytes: (4 * len * steps) as u128
+                },
+                "{what}: the all-reduce"
+            );
+            assert_eq!(want[1].calls + want[2].calls, 0, "{what}");
+            // With ZeRO: no all-reduce on dp; one reduce-scatter of every padded
+            // bucket (f32 gradients) and one all-gather of every padded bucket (f32
+            // parameters) per step.
+            assert_eq!(ar.calls, 0, "{what}: an all-reduce");
+            let once = Traffic {
+                calls: n * steps,
+                bytes: (4 * padded * steps) as u128,
+            };
+            assert_eq!(*rs, once, "{what}: the reduce-scatter");
+            assert_eq!(*ag, once, "{what}: the all-gather");
+            // On a ring each rank sends (dp − 1)/dp of a reduce-scatter's and of an
+            // all-gather's bytes and 2·(dp − 1)/dp of an all-reduce's: the same
+            // bytes, but for the padding (dp − 1)/dp · 2 · 4 · (padded − len).
+            let ring = |t: &Traffic, k: u128| t.bytes * k * (dp as u128 - 1);
+            assert_eq!(
+                ring(rs, 1) + ring(ag, 1),
+                ring(&want[0], 2) + (2 * 4 * (padded - len) * steps) as u128 * (dp as u128 - 1),
+                "{what}: the ring's bytes × dp"
+            );
+            if dp == 2 || dp == 4 {
+                assert_eq!(padded, len, "{what}: a width-16 model needs no padding");
+            } else {
+                assert!(padded > len, "{what}: dp 3 pads");
+            }
+        }
+    }
+}
+
+#[test]
+fn zero_two_and_three_scatter_every_microbatch_and_three_gathers_every_use() {
+    for (dp, pp, tp, schedule, recompute) in [
+        (2, 1, 1, "1f1b", Recompute::None),
+        (3, 2, 1, "1f1b", Recompute::Full),
+        (2, 2, 2, "zb-h1", Recompute::None),
+        (2, 2, 1, "interleaved", Recompute::Selective),
+    ] {
+        let mut c = tiny(dp, pp, tp, schedule);
+        c.recompute = recompute;
+        c.model.tied_embeddings = true;
+        let (steps, m) = (2, c.microbatches);
+        let base = dp_traffic(&with_zero(&c, 0), steps);
+        for zero in [2, 3] {
+            let got = dp_traffic(&with_zero(&c, zero), steps);
+            for ((rank, want, ..), (_, [ar, rs, ag], sizes, units)) in base.iter().zip(&got) {
+                let what = format!("dp {dp} pp {pp} tp {tp} {schedule} zero {zero} rank {rank}");
+                let units = units.as_ref().expect("units under ZeRO 2 and 3");
+                let layout = Layout::of_groups(units.groups.clone(), sizes, dp, 0);
+                let bytes = |k: usize| 4 * layout.buckets[k].padded(dp);
+                let segments: Vec<usize> = units.bucket_of.values().copied().collect();
                 assert_eq!(
-                    ring(rs, 1) + ring(ag, 1),
-                    ring(&want[0], 2) + (2 * 4 * (padded - len) * steps) as u128 * (dp as u128 - 1),
-                    "{what}: the ring's bytes × dp"
+                    segments.len() + units.resident.len(),
+                    layout.buckets.len(),
+                    "{what}"
                 );
-                if dp == 2 || dp == 4 {
-                    assert_eq!(padded, len, "{what}: a width-16 model needs no padding");
-                } else {
-                    assert!(padded > len, "{what}: dp 3 pads");
-                }
+                // A tied table is resident (its copies are summed across stages first).
+                assert!(!units.resident.is_empty(), "{what}: the tied table");
+                let sum = |ks: &[usize], times: usize| Traffic {
+                    calls: ks.len() * times * steps,
+                    bytes: (ks.iter().map(|&k| bytes(k)).sum::<usize>() * times * steps) as u128,
+                };
+                let add = |a: Traffic, b: Traffic| Traffic {
+                    calls: a.calls + b.calls,
+                    bytes: a.bytes + b.bytes,
+                };
+                assert_eq!(ar.calls, 0, "{what}: an all-reduce");
+                assert!(want[0].calls > 0, "{what}: zero 0 all-reduces");
+                // Each segment's bucket once per microbatch as its backward ends; the
+                // resident ones once per step.
+                let scatter = add(sum(&segments, m), sum(&units.resident, 1));
+                assert_eq!(*rs, scatter, "{what}: the reduce-scatter");
+                // Stage 2 gathers the updated shards once per step; stage 3 gathers a
+                // segment's parameters before its forward and before its backward (a
+                // recomputed forward runs inside the backward's), the resident ones once.
+                let gather = match zero {
+                    2 => sum(&(0..layout.buckets.len()).collect::<Vec<_>>(), 1),
+                    _ => add(sum(&segments, 2 * m), sum(&units.resident, 1)),
+                };
+                assert_eq!(*ag, gather, "{what}: the all-gather");
             }
         }
     }
@@ -288,6 +426,8 @@ fn a_zero_checkpoint_resumes_on_any_layout_and_stage() {
         (cfg(2, 1, 1, 1), cfg(1, 1, 1, 0)),
         (cfg(2, 2, 1, 2), cfg(4, 1, 1, 1)),
         (cfg(1, 2, 2, 0), cfg(2, 1, 2, 2)),
+        (cfg(2, 2, 1, 3), cfg(1, 2, 2, 0)),
+        (cfg(2, 1, 2, 0), cfg(2, 2, 1, 3)),
     ] {
         let what = format!(
             "dp {} pp {} tp {} zero {} → dp {} pp {} tp {} zero {}",
@@ -318,9 +458,10 @@ fn a_zero_checkpoint_resumes_on_any_layout_and_stage() {
 
 #[test]
 fn a_zero_checkpoint_holds_the_moments_of_an_unsharded_run() {
+    // One microbatch per replica: every stage sums the gradients in the same order.
     let mut c = tiny(2, 1, 2, "1f1b");
     c.batch = 8;
-    c.microbatches = 2;
+    c.microbatches = 1;
     c.steps = 3;
     let state = |zero: u8| {
         let dir = scratch(&format!("moments-{zero}"));
@@ -333,7 +474,7 @@ fn a_zero_checkpoint_holds_the_moments_of_an_unsharded_run() {
         s
     };
     let want = state(0);
-    for zero in [1, 2] {
+    for zero in [1, 2, 3] {
         let got = state(zero);
         assert_eq!(got.m.len(), want.m.len());
         for (name, w) in &want.m {
@@ -355,17 +496,19 @@ fn zero_on_the_same_layout_resumes_bit_exact() {
     let mut c = tiny(2, 1, 1, "1f1b");
     c.batch = 8;
     c.steps = 8;
-    c.zero = 2;
-    let dir = scratch("same");
-    let full = run_with_checkpoints(&c, &dir, 4, None);
-    let resumed = run_with_checkpoints(&c, &dir, 0, Some(Resume::Step(4)));
-    assert_eq!(resumed, full[4..]);
-    let _ = std::fs::remove_dir_all(&dir);
+    for zero in [2, 3] {
+        c.zero = zero;
+        let dir = scratch(&format!("same-{zero}"));
+        let full = run_with_checkpoints(&c, &dir, 4, None);
+        let resumed = run_with_checkpoints(&c, &dir, 0, Some(Resume::Step(4)));
+        assert_eq!(resumed, full[4..], "zero {zero}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }
 
 #[test]
 fn a_non_finite_gradient_stops_every_rank_under_zero() {
-    for zero in [1, 2] {
+    for zero in [1, 2, 3] {
         let mut cfg = tiny(2, 2, 1, "1f1b");
         cfg.zero = zero;
         cfg.lr = 1e30;

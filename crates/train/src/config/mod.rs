@@ -201,7 +201,7 @@ impl<M: Model> TrainConfig<M> {
     }
 
     fn validate_with(&self, this_machine: bool) -> Result<(), TrainError> {
-        savers::check_zero(self.zero)?;
+        savers::check_zero(self.zero, &self.device)?;
         self.device.check()?;
         let m = &self.model;
         m.validate()?;

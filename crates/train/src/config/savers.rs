@@ -58,19 +58,22 @@ impl std::str::FromStr for Recompute {
     }
 }
 
-/// `--zero`: stages 0, 1 and 2 are built; 3 (sharded parameters) is not yet.
-pub(super) fn check_zero(zero: u8) -> Result<(), TrainError> {
+/// `--zero`: stages 0 to 3; stage 3 frees parameters in place, which is built for the
+/// CPU only.
+pub(super) fn check_zero(zero: u8, device: &crate::DeviceSpec) -> Result<(), TrainError> {
     match zero {
         0..=2 => Ok(()),
+        3 if device.is_cpu() => Ok(()),
         3 => Err(err!(
             Config,
-            "--zero 3: ZeRO stage 3 is not implemented yet (sharded parameters); use \
-             --zero 2 (sharded optimizer state and gradients), 1 or 0"
+            "--zero 3 on --device {device}: ZeRO stage 3 frees and gathers parameters in \
+             place in CPU memory only; use --zero 2 (sharded optimizer state and gradients) \
+             on this device, or --device cpu"
         )),
         z => Err(err!(
             Config,
             "--zero {z}: there is no ZeRO stage {z}; use 0 (off), 1 (sharded optimizer \
-             state) or 2 (also sharded gradients)"
+             state), 2 (also sharded gradients) or 3 (also sharded parameters)"
         )),
     }
 }
@@ -90,8 +93,8 @@ mod tests {
     }
 
     #[test]
-    fn zero_stages_up_to_two_are_accepted_and_three_is_refused_first() {
-        for z in 0..=2 {
+    fn zero_stages_up_to_three_are_accepted_and_others_are_refused_first() {
+        for z in 0..=3 {
             let c = TrainConfig {
                 zero: z,
                 dp: 2,
@@ -103,12 +106,16 @@ mod tests {
         }
         // Refused before anything else is looked at (here: an impossible layout).
         let e = err(|c| {
-            c.zero = 3;
+            c.zero = 7;
             c.tp = 3;
         });
-        assert!(e.contains("ZeRO stage 3 is not implemented yet"), "{e}");
-        let e = err(|c| c.zero = 7);
         assert!(e.contains("--zero 7: there is no ZeRO stage 7"), "{e}");
+        // Stage 3 frees parameters in CPU memory: another device is refused first.
+        let e = err(|c| {
+            c.zero = 3;
+            c.device = crate::DeviceSpec::Cuda(0);
+        });
+        assert!(e.contains("--zero 3 on --device cuda:0"), "{e}");
         // Configurations and manifests written before the field existed are stage 0.
         let c: TrainConfig = serde_json::from_str(r#"{"dp": 2}"#).unwrap();
         assert_eq!(c.zero, 0);

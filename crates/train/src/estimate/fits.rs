@@ -130,10 +130,12 @@ fn variants<M: Model>(cfg: &TrainConfig<M>) -> Vec<(String, TrainConfig<M>)> {
         s.schedule = ScheduleChoice::Named(switchyard_schedule::ScheduleKind::OneFOneB);
         out.push(("--schedule 1f1b".into(), s));
     }
-    if cfg.dp > 1 && cfg.zero < 2 {
-        let mut z = cfg.clone();
-        z.zero = 2;
-        out.push(("--zero 2".into(), z));
+    if cfg.dp > 1 && cfg.zero < 3 {
+        for zero in (cfg.zero + 1).max(2)..=3 {
+            let mut z = cfg.clone();
+            z.zero = zero;
+            out.push((format!("--zero {zero}"), z));
+        }
     }
     let mut m = cfg.clone();
     m.microbatches *= 2;
@@ -205,11 +207,21 @@ mod tests {
         (c.dp, c.pp, c.tp, c.batch) = (2, 1, 1, 8);
         let full = estimate_memory(&c).unwrap();
         let opt = Category::Optimizer as usize;
-        for zero in [1, 2] {
+        let (par, gra) = (Category::Parameters as usize, Category::Gradients as usize);
+        for zero in [1, 2, 3] {
             let z = TrainConfig { zero, ..c.clone() };
             let r = estimate_memory(&z).unwrap();
             assert_eq!(r[0].at_peak[opt], OPT_PER_PARAM * r[0].params.div_ceil(2));
             assert!(r[0].at_peak[opt] * 2 < full[0].at_peak[opt]);
+            // Stages 2 and 3 keep shards of the gradients, stage 3 of the parameters.
+            if zero >= 2 {
+                assert!(r[0].at_peak[gra] < full[0].at_peak[gra], "zero {zero}");
+            }
+            assert_eq!(
+                zero == 3,
+                r[0].at_peak[par] < full[0].at_peak[par],
+                "zero {zero}"
+            );
         }
         c.max_memory_per_worker = Some(Bytes(worst_peak(&full) - 1));
         let e = check_fits(&c, 2, None).unwrap_err().to_string();

@@ -194,9 +194,16 @@ pub fn estimate_memory<M: Model>(cfg: &TrainConfig<M>) -> Result<Vec<RankEstimat
                     Recompute::Selective => a.per_token - a.selective_per_token,
                     _ => a.per_token,
                 };
+                // ZeRO 2 and 3 run the stage segment by segment: each segment after the
+                // first keeps its input as a variable of its own too.
+                let boundaries = match cfg.zero >= 2 {
+                    true => (a.segments - 1) as f64 * a.segment_input_per_token,
+                    false => 0.0,
+                };
                 (
-                    bytes(tokens * (kept + a.input_per_token) + a.per_microbatch as f64)
-                        + BYTES_PER_TENSOR * a.tensors,
+                    bytes(
+                        tokens * (kept + a.input_per_token + boundaries) + a.per_microbatch as f64,
+                    ) + BYTES_PER_TENSOR * a.tensors,
                     bytes(tokens * a.backward_per_token),
                 )
             }
@@ -238,38 +245,63 @@ pub fn estimate_memory<M: Model>(cfg: &TrainConfig<M>) -> Result<Vec<RankEstimat
         // Tied parameters: one copy per rank.
         let mut tied: BTreeMap<&str, usize> = BTreeMap::new();
         let (mut params, mut tensors, mut largest, mut cache) = (0, 0, 0, 0);
+        // ZeRO 2 and 3: the largest segment's parameters, and those that stay whole
+        // (several segments', or summed with copies on other ranks).
+        let (mut segment, mut resident, mut blocks) = (0, 0, 0);
         for &s in &mine {
             let f = &feet[s];
             params += f.params;
             tensors += f.tensors;
             largest = largest.max(f.largest);
             cache += f.step_cache;
+            segment = segment.max(f.largest_segment);
+            resident += f.shared;
+            blocks += acts[s].segments;
             for (name, n) in &f.tied {
-                if tied.insert(name, *n).is_some() {
-                    params -= n;
-                    tensors -= 1;
+                match tied.insert(name, *n).is_some() {
+                    true => {
+                        params -= n;
+                        tensors -= 1;
+                    }
+                    false => resident += n,
                 }
             }
         }
-        // ZeRO 1 and 2 keep the moments of 1/dp of every bucket (one vector per bucket
-        // instead of one per tensor).
+        // ZeRO keeps the moments of 1/dp of every bucket (one vector per bucket instead
+        // of one per tensor).
         let optimizer = match cfg.zero {
             0 => OPT_PER_PARAM * params + BYTES_PER_TENSOR * tensors,
             _ => OPT_PER_PARAM * params.div_ceil(cfg.dp),
         };
+        let shards = ELEM * params.div_ceil(cfg.dp);
+        let segmented = cfg.zero >= 2;
+        let zero3 = cfg.zero == 3;
         let (on_rank, on_pool) = mine
             .iter()
             .map(|&s| scratch_threads(acts[s], rows, width))
             .fold((false, false), |x, y| (x.0 || y.0, x.1 || y.1));
         let scratch = |on: bool| if on { scratch_per_thread() } else { 0 };
+        // ZeRO 3 holds the shards and the resident parameters; one segment's parameters
+        // and fused weights are gathered at a time (`gathered`, during compute).
         let fixed = Fixed {
-            params: ELEM * params + BYTES_PER_TENSOR * tensors,
+            params: match zero3 {
+                true => shards + ELEM * resident + BYTES_PER_TENSOR * tensors,
+                false => ELEM * params + BYTES_PER_TENSOR * tensors,
+            },
             optimizer,
-            other: ELEM * cache + scratch(on_pool) * threads.saturating_sub(1),
+            other: match zero3 {
+                true => 0,
+                false => ELEM * cache,
+            } + scratch(on_pool) * threads.saturating_sub(1),
             scratch: scratch(on_rank),
+        };
+        let gathered = match zero3 {
+            true => [ELEM * segment, 0, 0, 0, 0, ELEM * cache / blocks.max(1)],
+            false => [0; 6],
         };
         let bytes: BTreeMap<usize, StageBytes> = mine.iter().map(|&s| (s, per_stage(s))).collect();
         let mut t = Timeline::new(fixed);
+        t.extra = gathered;
         let mut kept: BTreeMap<usize, bool> = mine.iter().map(|&s| (s, false)).collect();
         // Gradients this rank sent back: (bytes, until when the receiver holds them).
         let mut sent: Vec<(usize, f64)> = Vec::new();
@@ -285,6 +317,30 @@ pub fn estimate_memory<M: Model>(cfg: &TrainConfig<M>) -> Result<Vec<RankEstimat
                 Op::F => {
                     t.acts += b.saved;
                     t.observe(0, 0);
+                }
+                Op::B | Op::I if segmented => {
+                    // Segment by segment: one segment's new gradients and what flows
+                    // back; as its backward ends, the bucket they are flattened into.
+                    t.comm = ELEM * segment;
+                    t.observe(ELEM * segment + b.backward, 0);
+                    t.comm = 0;
+                    t.acts = t.acts.saturating_sub(b.saved);
+                    if s > 0 {
+                        let until = consumed.get(&(a.stage - 1, a.microbatch)).copied();
+                        sent.push((b.input, until.unwrap_or(at.end)));
+                    }
+                    // The shards from the first reduce-scatter on, and the resident
+                    // parameters' full gradients; a split backward's wait for `W`.
+                    t.grads = t.grads.max(shards + ELEM * resident);
+                    if a.op == Op::I {
+                        t.grads += b.grads;
+                    }
+                }
+                Op::W if segmented => {
+                    t.comm = ELEM * segment;
+                    t.observe(0, 0);
+                    t.comm = 0;
+                    t.grads = t.grads.saturating_sub(b.grads);
                 }
                 Op::B | Op::I => {
                     // The backward: its activations, the new gradients, what flows back.
@@ -312,9 +368,15 @@ pub fn estimate_memory<M: Model>(cfg: &TrainConfig<M>) -> Result<Vec<RankEstimat
                 _ => {}
             }
         }
-        // Every parameter has a gradient after the pipeline's step.
-        t.grads = ELEM * params;
+        // Every parameter has a gradient after the pipeline's step (under ZeRO 2 and 3
+        // a shard, and the resident parameters' whole ones).
+        t.grads = match segmented {
+            true => shards + ELEM * resident,
+            false => ELEM * params,
+        };
         t.in_flight = 0;
+        // Between the pipeline and the update nothing is gathered.
+        t.extra = [0; 6];
         let bucket = (cfg.bucket_mib * 1024.0 * 1024.0) as usize;
         let clips = cfg.grad_clip > 0.0;
         match cfg.zero {
@@ -328,22 +390,34 @@ pub fn estimate_memory<M: Model>(cfg: &TrainConfig<M>) -> Result<Vec<RankEstimat
                 t.observe(0, 2 * ELEM * 2 * largest);
             }
             zero => {
-                // The largest bucket (a tensor larger than a bucket is one alone),
+                // The largest bucket stage 1 reduce-scatters now (a tensor larger than a
+                // bucket is one alone; stages 2 and 3: the resident parameters'),
                 // padded to a multiple of dp, and one replica's shard of it.
                 let dp = cfg.dp;
-                let b = (bucket / ELEM).max(largest).min(params).div_ceil(dp) * dp;
+                let now = match segmented {
+                    true => resident.min(bucket / ELEM),
+                    false => (bucket / ELEM).max(largest).min(params),
+                };
+                let b = now.div_ceil(dp) * dp;
                 let shard = b / dp;
-                let shards = ELEM * params.div_ceil(dp);
                 // The reduce-scatter: the concatenated bucket and the shard it returns.
                 t.observe(ELEM * (b + shard), 0);
-                // Stage 1 keeps the full gradients to the end of the step; stage 2 only
-                // the shards.
+                // Stage 1 keeps the full gradients to the end of the step; stages 2 and
+                // 3 only the shards.
                 t.grads = shards + if zero == 1 { ELEM * params } else { 0 };
                 // The clipped copy of the shards.
                 t.observe(if clips { shards } else { 0 }, 0);
                 // AdamW on a bucket's shard updates its parameters in a buffer the
                 // all-gather then sends; the gathered bucket (communication buffers).
-                t.comm = ELEM * (shard + b);
+                // Stage 3 updates its shards in place and gathers at the next use.
+                let gathered = match segmented {
+                    true => segment.max(resident.min(bucket / ELEM)).div_ceil(dp) * dp,
+                    false => b,
+                };
+                t.comm = match zero3 {
+                    true => 0,
+                    false => ELEM * (gathered / dp + gathered),
+                };
                 t.observe(0, 0);
                 t.comm = 0;
             }
@@ -381,6 +455,8 @@ struct Timeline {
     in_flight: usize,
     /// Communication buffers (ZeRO's parameter shard and gathered bucket).
     comm: usize,
+    /// Held while a segment computes, by category (ZeRO 3's gathered segment).
+    extra: [usize; 6],
     peak: usize,
     at_peak: [usize; 6],
 }
@@ -393,6 +469,7 @@ impl Timeline {
             grads: 0,
             in_flight: 0,
             comm: 0,
+            extra: [0; 6],
             peak: 0,
             at_peak: [0; 6],
         }
@@ -402,7 +479,7 @@ impl Timeline {
     /// optimizer bytes.
     fn observe(&mut self, grads: usize, opt: usize) {
         let f = self.fixed;
-        let now = [
+        let mut now = [
             f.params,
             self.grads + grads + f.scratch + self.in_flight,
             f.optimizer + opt,
@@ -410,6 +487,9 @@ impl Timeline {
             self.comm,
             f.other,
         ];
+        for (n, e) in now.iter_mut().zip(self.extra) {
+            *n += e;
+        }
         let total = now.iter().sum();
         if total > self.peak {
             self.peak = total;

@@ -323,7 +323,7 @@ fn memory_only<M: Model>(base: &TrainConfig<M>, layout: &Layout, budget: Option<
     c
 }
 
-/// `layout` with each ZeRO stage worth trying (0, and 1 with data parallelism) and, for
+/// `layout` with each ZeRO stage worth trying (0, and 1 to 3 with data parallelism) and, for
 /// each, the cheapest recomputation that fits `budget` (the last tried, `full`, when none
 /// does).
 fn with_savers<M: Model>(
@@ -332,7 +332,7 @@ fn with_savers<M: Model>(
     budget: Option<u64>,
     time: &(dyn Fn(&TrainConfig<M>) -> Option<f64> + Sync),
 ) -> Vec<Candidate> {
-    let zeros: &[u8] = if layout.dp > 1 { &[0, 1] } else { &[0] };
+    let zeros: &[u8] = if layout.dp > 1 { &[0, 1, 2, 3] } else { &[0] };
     let mut out = Vec::new();
     for &zero in zeros {
         for recompute in Recompute::ALL {

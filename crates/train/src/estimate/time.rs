@@ -39,6 +39,12 @@
 //!   `α_c`, `β_c` measured on 2 ranks, where it is `α_c + x / β_c`, with one rank
 //!   arriving late, as in training, so that `α` includes waking the waiting one). These terms are added
 //!   to the stage's forward and backward times.
+//! * **ZeRO 2 and 3**: a stage's backward of each microbatch reduce-scatters its
+//!   `4 · N_s` bytes of gradients (`N_s` the stage's share of the parameters), one piece
+//!   per segment, `R(x) = g · (k − 1) · α + (k − 1)/k · x / β` for `g` pieces over `k`
+//!   replicas (half an all-reduce); stage 3 also all-gathers the parameters before each
+//!   forward and each backward, `R` again. After the pipeline, stage 2 all-gathers the
+//!   updated parameters (`R` in buckets) instead of the all-reduce; stage 3 nothing.
 //! * **Pipeline messages**: every send and every receive of the lowered program takes
 //!   `P(n · w · 4) / 2`, `P(x) = α_p + x / β_p` the measured one-way time of a message
 //!   (a send and its receive together).
@@ -260,6 +266,34 @@ pub fn predict_step_time<M: Model>(
     let activation = tokens * m.width().unwrap_or(0) as f64 * 4.0;
     let all_reduce = |bytes: f64| tm.collective.all_reduce(bytes, cfg.tp);
     let flops = |p: &StagePlan| stage_flops(&costs, p);
+    let total_flops = costs.embed + costs.blocks.iter().sum::<f64>() + costs.head;
+    let shapes = m.param_shapes()?;
+    let tensors = shapes.len() as f64;
+    let params = shapes
+        .iter()
+        .map(|(_, s)| s.iter().product::<usize>() as f64)
+        .sum::<f64>();
+    // ZeRO's collectives over the data-parallel replicas: a reduce-scatter or an
+    // all-gather of `bytes` in `calls` pieces is half a ring all-reduce, each piece
+    // paying the latency.
+    let dp_link = tm.dp_collective.unwrap_or(tm.collective);
+    let half = |bytes: f64, calls: f64| {
+        let latency = dp_link.all_reduce(0.0, cfg.dp);
+        calls * latency + (dp_link.all_reduce(bytes, cfg.dp) - latency) / 2.0
+    };
+    // ZeRO 2 and 3 reduce-scatter every segment's gradients as its backward of each
+    // microbatch ends; stage 3 also gathers a segment's parameters before its forward
+    // and before its backward.
+    let zero_comm = |p: &StagePlan| {
+        let bytes = 4.0 * params * flops(p) / total_flops.max(f64::MIN_POSITIVE) / cfg.tp as f64;
+        let segments = p.blocks.len().max(1) as f64;
+        let one = half(bytes, segments);
+        match cfg.zero {
+            2 => (0.0, one),
+            3 => (one, 2.0 * one),
+            _ => (0.0, 0.0),
+        }
+    };
     let parts =
         |p: &StagePlan| (p.blocks.len() + usize::from(p.embed) + usize::from(p.head)) as f64;
     // Per stage: (compute, tp forward, tp backward) of one microbatch.
@@ -279,7 +313,8 @@ pub fn predict_step_time<M: Model>(
                 fwd += 2.0 * all_reduce(tokens * 4.0);
                 bwd += all_reduce(activation);
             }
-            (compute, fwd, bwd)
+            let (zf, zb) = zero_comm(p);
+            (compute, fwd + zf, bwd + zb)
         })
         .collect();
     let comm = if program.num_ranks() > 1 {
@@ -307,13 +342,6 @@ pub fn predict_step_time<M: Model>(
         .collect();
     let timeline = simulate_by_stage(&program, &stage_costs)?;
     // Per pipeline rank: compute, tp all-reduces, parameters.
-    let total_flops = costs.embed + costs.blocks.iter().sum::<f64>() + costs.head;
-    let shapes = m.param_shapes()?;
-    let tensors = shapes.len() as f64;
-    let params = shapes
-        .iter()
-        .map(|(_, s)| s.iter().product::<usize>() as f64)
-        .sum::<f64>();
     let mb = cfg.microbatches as f64;
     let ranks: Vec<(f64, f64, f64, f64)> = (0..program.num_ranks() as u32)
         .map(|r| {
@@ -340,11 +368,16 @@ pub fn predict_step_time<M: Model>(
     let bucket = (cfg.bucket_mib * 1024.0 * 1024.0).max(4.0);
     let after = |n: f64, k: f64| {
         let bytes = 4.0 * n;
-        // Each bucket pays the latency; together they move the bytes once.
-        let link = tm.dp_collective.unwrap_or(tm.collective);
-        let latency = link.all_reduce(0.0, cfg.dp);
-        let dp =
-            (bytes / bucket).ceil().max(1.0) * latency + (link.all_reduce(bytes, cfg.dp) - latency);
+        // Each bucket pays the latency; together they move the bytes once. ZeRO 2
+        // all-gathers the updated parameters after the pipeline (its reduce-scatters ran
+        // inside it), stage 3 nothing.
+        let latency = dp_link.all_reduce(0.0, cfg.dp);
+        let buckets = (bytes / bucket).ceil().max(1.0);
+        let dp = match cfg.zero {
+            0 | 1 => buckets * latency + (dp_link.all_reduce(bytes, cfg.dp) - latency),
+            2 => half(bytes, buckets),
+            _ => 0.0,
+        };
         (
             dp,
             n * tm.optimizer_s_per_param + k * tm.optimizer_s_per_tensor,

@@ -37,7 +37,10 @@ use switchyard_comm::{Communicator, ReduceOp};
 use switchyard_mem::Category;
 
 use crate::error::{fail, Result};
+
+mod segments;
 use crate::optim::{sum_sq, update_slice, AdamW, AdamWConfig, StepScalars};
+pub use segments::{Units, ZeroHooks};
 
 /// The buckets of consecutive parameters, by their element counts `sizes`: each holds
 /// at most `bucket_mib` MiB of f32 values, or a single parameter that is larger alone.
@@ -71,8 +74,8 @@ pub struct Piece {
 /// One bucket as ZeRO cuts it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Bucket {
-    /// The parameters in it (indices into the rank's parameter list).
-    pub params: Range<usize>,
+    /// The parameters in it (indices into the rank's parameter list, ascending).
+    pub params: Vec<usize>,
     /// Each parameter's offset in the flattened bucket.
     pub offsets: Vec<usize>,
     /// Elements in the bucket.
@@ -84,19 +87,19 @@ pub struct Bucket {
 }
 
 impl Bucket {
-    fn new(params: Range<usize>, sizes: &[usize], dp: usize, rank: usize) -> Bucket {
+    fn new(params: Vec<usize>, sizes: &[usize], dp: usize, rank: usize) -> Bucket {
         let mut offsets = Vec::with_capacity(params.len());
         let mut len = 0;
-        for i in params.clone() {
+        for &i in &params {
             offsets.push(len);
             len += sizes[i];
         }
         let shard = len.div_ceil(dp.max(1));
         let (lo, hi) = (rank * shard, (rank + 1) * shard);
         let pieces = params
-            .clone()
+            .iter()
             .zip(&offsets)
-            .filter_map(|(i, &o)| {
+            .filter_map(|(&i, &o)| {
                 let (a, b) = (o.max(lo), (o + sizes[i]).min(hi));
                 (a < b).then(|| Piece {
                     param: i,
@@ -134,7 +137,17 @@ impl Layout {
     pub fn new(sizes: &[usize], bucket_mib: f64, dp: usize, rank: usize) -> Layout {
         let buckets = buckets(sizes, bucket_mib)
             .into_iter()
-            .map(|r| Bucket::new(r, sizes, dp, rank))
+            .map(|r| Bucket::new(r.collect(), sizes, dp, rank))
+            .collect();
+        Layout { dp, rank, buckets }
+    }
+
+    /// The layout of parameters with `sizes` elements cut into the given `groups` of
+    /// parameter indices (each ascending; together each index once), one bucket each.
+    pub fn of_groups(groups: Vec<Vec<usize>>, sizes: &[usize], dp: usize, rank: usize) -> Layout {
+        let buckets = groups
+            .into_iter()
+            .map(|g| Bucket::new(g, sizes, dp, rank))
             .collect();
         Layout { dp, rank, buckets }
     }
@@ -145,42 +158,66 @@ impl Layout {
     }
 }
 
-/// The ZeRO stage 1–2 gradient step of [`crate::Worker`]: reduce-scatters each bucket of
-/// `grads` over `dp`, returning this replica's summed shard of each bucket. With
-/// `keep_full` (stage 1) the full gradients stay in `grads`; without it (stage 2) each
-/// bucket's are dropped as soon as it is scattered.
+/// The ZeRO stage 1 gradient step of [`crate::Worker`] (and stage 2's for parameters
+/// no segment owns): reduce-scatters each of `which` buckets of `grads` over `dp`,
+/// returning this replica's summed shard of each. With `keep_full` (stage 1) the full
+/// gradients stay in `grads`; without it each bucket's are dropped as soon as it is
+/// scattered.
 pub fn reduce_scatter(
     layout: &Layout,
+    which: impl IntoIterator<Item = usize>,
     dp: &dyn Communicator,
     grads: &mut [Option<Tensor>],
     keep_full: bool,
-) -> Result<Vec<Tensor>> {
-    let mut shards = Vec::with_capacity(layout.buckets.len());
-    for (k, b) in layout.buckets.iter().enumerate() {
-        let mut flat = Vec::with_capacity(b.params.len() + 1);
-        for i in b.params.clone() {
-            let Some(g) = &grads[i] else {
-                fail!(
-                    Config,
-                    "ZeRO reduce-scatter of bucket {k}: parameter {i} has no gradient"
-                );
-            };
-            flat.push(g.flatten_all()?);
-        }
-        let pad = b.padded(layout.dp) - b.len;
-        if pad > 0 {
-            flat.push(Tensor::zeros(pad, flat[0].dtype(), flat[0].device())?);
-        }
-        let cat = Tensor::cat(&flat, 0)?;
-        drop(flat);
+) -> Result<Vec<(usize, Tensor)>> {
+    let mut shards = Vec::new();
+    for k in which {
+        let b = &layout.buckets[k];
+        let shard = scatter_bucket(b, layout.dp, dp, |i| grads[i].clone())?;
         if !keep_full {
-            for g in &mut grads[b.params.clone()] {
-                *g = None;
+            for &i in &b.params {
+                grads[i] = None;
             }
         }
-        shards.push(dp.reduce_scatter(&cat, 0, ReduceOp::Sum)?);
+        shards.push((k, shard));
     }
     Ok(shards)
+}
+
+/// Reduce-scatters one bucket over `dp`: its parameters' gradients (`grad(i)`, zeros
+/// where `None`) flattened, padded and summed; this replica's shard of the sum.
+pub fn scatter_bucket(
+    b: &Bucket,
+    dpn: usize,
+    dp: &dyn Communicator,
+    mut grad: impl FnMut(usize) -> Option<Tensor>,
+) -> Result<Tensor> {
+    let given: Vec<Option<Tensor>> = b.params.iter().map(|&i| grad(i)).collect();
+    // The flattened bucket is a communication buffer (a peer of the in-process
+    // transport may still be reading it when this replica has moved on); the shard the
+    // reduce-scatter returns is gradients again.
+    let comm = switchyard_mem::scope(Category::Comm);
+    let device = given
+        .iter()
+        .flatten()
+        .next()
+        .map_or(Device::Cpu, |g| g.device().clone());
+    let ends = b.offsets.iter().skip(1).chain([&b.len]);
+    let mut flat = Vec::with_capacity(b.params.len() + 1);
+    for (g, (&o, &end)) in given.into_iter().zip(b.offsets.iter().zip(ends)) {
+        flat.push(match g {
+            Some(g) => g.flatten_all()?,
+            None => Tensor::zeros(end - o, DType::F32, &device)?,
+        });
+    }
+    let pad = b.padded(dpn) - b.len;
+    if pad > 0 {
+        flat.push(Tensor::zeros(pad, DType::F32, &device)?);
+    }
+    let cat = Tensor::cat(&flat, 0)?;
+    drop(flat);
+    drop(comm);
+    Ok(dp.reduce_scatter(&cat, 0, ReduceOp::Sum)?)
 }
 
 /// What the step's norm needs from this replica's shards: the sum of the squares of the
@@ -219,6 +256,10 @@ pub struct ShardedAdamW {
     /// elements; the padding's stay zero).
     pub m: Vec<Vec<f64>>,
     pub v: Vec<Vec<f64>>,
+    /// Stage 3: per bucket, this replica's shard of the parameters, their only copy
+    /// between the gathers of [`ShardedAdamW::gather`] (`None` for stages 1 and 2, whose
+    /// replicas keep the whole parameters).
+    pub held: Option<Vec<Vec<f32>>>,
 }
 
 impl ShardedAdamW {
@@ -238,7 +279,76 @@ impl ShardedAdamW {
             decay,
             m,
             v,
+            held: None,
         }
+    }
+
+    /// Stage 3: keeps this replica's shard of every bucket of the parameters and frees
+    /// the parameters' own values (in place: the variables stay, empty, until
+    /// [`ShardedAdamW::gather`]).
+    pub fn shard_params(&mut self) -> Result<()> {
+        let mut held = Vec::with_capacity(self.layout.buckets.len());
+        for b in &self.layout.buckets {
+            let mut p = vec![0f32; b.shard];
+            for pc in &b.pieces {
+                let var = &self.params[pc.param];
+                if var.dtype() != DType::F32 || !var.device().is_cpu() {
+                    fail!(
+                        Config,
+                        "ZeRO 3: parameter {} is {:?} on {:?}; only f32 parameters on the CPU \
+                         are sharded in place",
+                        pc.param,
+                        var.dtype(),
+                        var.device().location()
+                    );
+                }
+                read_f32(var.as_tensor(), pc.from, &mut p[pc.at..pc.at + pc.len])?;
+            }
+            held.push(p);
+        }
+        self.held = Some(held);
+        for k in 0..self.layout.buckets.len() {
+            self.release(k)?;
+        }
+        Ok(())
+    }
+
+    /// Stage 3: all-gathers bucket `k`'s parameters over `dp` into the variables.
+    /// Collective over `dp`.
+    pub fn gather(&self, dp: &dyn Communicator, k: usize) -> Result<()> {
+        let Some(held) = &self.held else {
+            return Ok(());
+        };
+        let b = &self.layout.buckets[k];
+        // The gathered bucket is a communication buffer; what the variables hold again
+        // is parameters.
+        let comm = switchyard_mem::scope(Category::Comm);
+        let mine = Tensor::from_slice(&held[k], b.shard, &Device::Cpu)?;
+        let full = dp.all_gather(&mine, 0)?;
+        drop(mine);
+        drop(comm);
+        let _parameters = switchyard_mem::scope(Category::Parameters);
+        with_f32(&full, |full| {
+            for (&i, &o) in b.params.iter().zip(&b.offsets) {
+                let var = self.params[i].as_tensor();
+                let n = var.elem_count();
+                switchyard_shard::storage::fill_f32_with(var, |dst| {
+                    dst.copy_from_slice(&full[o..o + n]);
+                    Ok(())
+                })?;
+            }
+            Ok(())
+        })
+    }
+
+    /// Stage 3: frees bucket `k`'s parameters in place.
+    pub fn release(&self, k: usize) -> Result<()> {
+        if self.held.is_some() {
+            for &i in &self.layout.buckets[k].params {
+                switchyard_shard::storage::free_in_place(self.params[i].as_tensor())?;
+            }
+        }
+        Ok(())
     }
 
     /// One step: `shards[k]` is this replica's (summed, clipped) gradient shard of bucket
@@ -259,8 +369,15 @@ impl ShardedAdamW {
             // The shard of the parameters is what the all-gather sends: a communication
             // buffer (the measured optimizer state is the moments alone).
             let comm = switchyard_mem::scope(Category::Comm);
-            let mut p = vec![0f32; b.shard];
+            let mut own = match &mut self.held {
+                Some(_) => Vec::new(),
+                None => vec![0f32; b.shard],
+            };
             drop(comm);
+            let (p, stage3) = match &mut self.held {
+                Some(held) => (&mut held[k], true),
+                None => (&mut own, false),
+            };
             with_f32(g, |g| {
                 for pc in &b.pieces {
                     let var = &self.params[pc.param];
@@ -274,7 +391,9 @@ impl ShardedAdamW {
                         );
                     }
                     let r = pc.at..pc.at + pc.len;
-                    read_f32(var.as_tensor(), pc.from, &mut p[r.clone()])?;
+                    if !stage3 {
+                        read_f32(var.as_tensor(), pc.from, &mut p[r.clone()])?;
+                    }
                     let wd = match self.decay[pc.param] {
                         true => self.config.weight_decay,
                         false => 0.0,
@@ -290,10 +409,14 @@ impl ShardedAdamW {
                 }
                 Ok(())
             })?;
+            if stage3 {
+                // The next use gathers them.
+                continue;
+            }
             let comm = switchyard_mem::scope(Category::Comm);
-            let full = dp.all_gather(&Tensor::from_vec(p, b.shard, &Device::Cpu)?, 0)?;
+            let full = dp.all_gather(&Tensor::from_vec(own, b.shard, &Device::Cpu)?, 0)?;
             debug_assert_eq!(full.elem_count(), b.padded(dpn));
-            for (i, &o) in b.params.clone().zip(&b.offsets) {
+            for (&i, &o) in b.params.iter().zip(&b.offsets) {
                 let var = &self.params[i];
                 let n = var.elem_count();
                 let new = full.narrow(0, o, n)?.reshape(var.shape())?;
@@ -315,7 +438,7 @@ impl ShardedAdamW {
                 Ok(dp.all_gather(&t, 0)?.to_vec1::<f64>()?)
             };
             let (m, v) = (gather(&self.m[k])?, gather(&self.v[k])?);
-            for (i, &o) in b.params.clone().zip(&b.offsets) {
+            for (&i, &o) in b.params.iter().zip(&b.offsets) {
                 let n = self.params[i].elem_count();
                 out[i] = (m[o..o + n].to_vec(), v[o..o + n].to_vec());
             }
