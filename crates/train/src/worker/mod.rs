@@ -13,29 +13,39 @@
 //!    stops at the same step if anything is not finite;
 //! 5. gradients are clipped by the global norm and AdamW updates this rank's shards.
 //!
-//! With ZeRO (`--zero 1|2`, [`crate::zero`]) step 3 is a reduce-scatter instead: each
+//! With ZeRO (`--zero 1|2|3`, [`crate::zero`]) step 3 is a reduce-scatter instead: each
 //! replica keeps its `1/dp` of every bucket, the norm adds up the replicas' shards, AdamW
 //! updates the replica's shard with the moments of that shard only, and an all-gather
-//! gives every replica the whole updated parameters.
+//! gives every replica the whole updated parameters. Stages 2 and 3 reduce-scatter each
+//! segment's bucket inside step 1, as its backward ends ([`crate::zero::ZeroHooks`]);
+//! stage 3 skips the all-gather: the next step gathers each segment's parameters just
+//! before it runs.
+//!
+//! The files: this one builds a worker and runs a step; `grads.rs` sums gradients over
+//! replicas and tied copies and gathers ZeRO 3's parameters whole ([`Worker::gathered`]);
+//! `validation.rs` scores the validation split; `state.rs` is the checkpoint's part.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor, TensorId, Var};
-use switchyard_comm::{Communicator, Mesh, ReduceOp};
+use switchyard_comm::{Communicator, Mesh};
 use switchyard_mem::Category;
 use switchyard_models::{plan_stages, Model, ModelStage};
 use switchyard_pipeline::{CheckedProgram, Executor, Microbatches, Stage, StepStats};
 use switchyard_schedule::Program;
-use switchyard_shard::{gather_full_tensor, Param, ParamSource, ParamStore, ShardSpec};
+use switchyard_shard::{Param, ParamSource, ParamStore, ShardSpec};
 
-use crate::checkpoint::RankShard;
 use crate::data::{Dataset, Sampler};
 use crate::error::{fail, Context, Result};
 use crate::optim::{sum_sq, AdamW, LrSchedule};
 use crate::zero::{self, Optimizer, ShardedAdamW, Units, ZeroHooks};
 use crate::{Recompute, TrainConfig};
+
+mod grads;
+mod state;
+mod validation;
 
 /// A model's stage as the executor sees it: its own parameters and the tied ones it
 /// uses without having created them.
@@ -420,99 +430,6 @@ impl<'a, M: Model> Worker<'a, M> {
         Ok((grads, losses, out.stats, shards))
     }
 
-    /// Runs `f` with buckets `which` of a ZeRO 3 optimizer gathered (collective over
-    /// `dp`), freeing them after, also when `f` fails.
-    fn with_buckets<R>(
-        &self,
-        o: &ShardedAdamW,
-        which: &[usize],
-        f: impl FnOnce() -> Result<R>,
-    ) -> Result<R> {
-        for &k in which {
-            o.gather(&*self.mesh.dp, k)
-                .context("ZeRO 3: gathering the parameters")?;
-        }
-        let out = f();
-        for &k in which {
-            o.release(k)?;
-        }
-        out
-    }
-
-    /// Runs `f` with every parameter whole: under ZeRO 3 all of them are gathered
-    /// first (a collective over `dp`) and freed after; otherwise `f` alone.
-    pub fn gathered<R>(&self, f: impl FnOnce() -> Result<R>) -> Result<R> {
-        match &self.opt {
-            Optimizer::Sharded(o) if o.held.is_some() => {
-                let all: Vec<usize> = (0..o.layout.buckets.len()).collect();
-                self.with_buckets(o, &all, f)
-            }
-            _ => f(),
-        }
-    }
-
-    /// Sums the tied copies' gradients and averages over data-parallel replicas (with an
-    /// all-reduce, whatever `--zero` says: the full gradients, for parity tests).
-    pub fn sync_grads(&self, grads: &mut [Option<Tensor>]) -> Result<()> {
-        self.sync_tied(grads, true)?;
-        if self.cfg.dp > 1 {
-            let _gradients = switchyard_mem::scope(Category::Gradients);
-            self.all_reduce_buckets(grads)?;
-        }
-        Ok(())
-    }
-
-    /// Gives every parameter (with `fill_all`; else the tied ones) a gradient (zeros
-    /// where this rank computed none) and sums the tied copies' gradients.
-    fn sync_tied(&self, grads: &mut [Option<Tensor>], fill_all: bool) -> Result<()> {
-        let _gradients = switchyard_mem::scope(Category::Gradients);
-        for (i, (g, p)) in grads.iter_mut().zip(&self.params).enumerate() {
-            if g.is_none() && (fill_all || self.tied.iter().any(|(t, _)| *t == i)) {
-                *g = Some(p.var.zeros_like()?);
-            }
-        }
-        for (i, group) in &self.tied {
-            let g = grads[*i].as_ref().expect("filled above");
-            grads[*i] = Some(group.all_reduce(g, ReduceOp::Sum)?);
-        }
-        Ok(())
-    }
-
-    /// Data-parallel all-reduce, a bucket of about `bucket_mib` at a time.
-    fn all_reduce_buckets(&self, grads: &mut [Option<Tensor>]) -> Result<()> {
-        let sizes: Vec<usize> = grads
-            .iter()
-            .map(|g| g.as_ref().map_or(0, |g| g.elem_count()))
-            .collect();
-        for bucket in zero::buckets(&sizes, self.cfg.bucket_mib) {
-            let (start, end) = (bucket.start, bucket.end);
-            let flat: Vec<Tensor> = grads[start..end]
-                .iter()
-                .map(|g| g.as_ref().unwrap().flatten_all())
-                .collect::<candle_core::Result<_>>()?;
-            let summed = self
-                .mesh
-                .dp
-                .all_reduce(&Tensor::cat(&flat, 0)?, ReduceOp::Sum)?;
-            let mut off = 0;
-            for g in &mut grads[start..end] {
-                let t = g.as_ref().unwrap();
-                let n = t.elem_count();
-                // A copy of its own: the in-process backend hands every rank one shared
-                // sum, which would otherwise stay on the ledger of the rank that made it
-                // (and be counted there) until the slowest replica's optimizer is done.
-                *g = Some(
-                    summed
-                        .narrow(0, off, n)?
-                        .reshape(t.shape())?
-                        .force_contiguous()?,
-                );
-                off += n;
-            }
-        }
-        Ok(())
-    }
-
     /// One full training step (see the module docs). Collective over the world.
     pub fn step(&mut self, step: usize) -> Result<std::result::Result<StepMetrics, NonFinite>> {
         let t0 = Instant::now();
@@ -658,199 +575,5 @@ impl<'a, M: Model> Worker<'a, M> {
             exec,
             val_loss: None,
         }))
-    }
-
-    /// The mean cross-entropy over `batches` validation batches (sequential windows of
-    /// the validation split, see [`crate::data`]), computed by the parallel model: each
-    /// replica scores its rows of every batch, microbatch by microbatch, forward only,
-    /// through the pipeline. `None` when the data has no validation split. Collective
-    /// over the world; every rank gets the same value.
-    pub fn validation_loss(&self, batches: usize) -> Result<Option<f64>> {
-        if self.data.validation().is_none() {
-            return Ok(None);
-        }
-        self.gathered(|| self.score_validation(batches))
-    }
-
-    /// [`Worker::validation_loss`] with the parameters whole.
-    fn score_validation(&self, batches: usize) -> Result<Option<f64>> {
-        if self.data.validation().is_none() {
-            return Ok(None);
-        }
-        let c = &self.cfg;
-        let sampler = Sampler::validation(c);
-        let (m, mbs) = (c.microbatches, c.microbatch_size());
-        let per_replica = c.batch / c.dp;
-        let first = self.mesh.coord.dp * per_replica;
-        let pipe = self.program();
-        let me = self.mesh.coord.pp as u32;
-        let last = pipe.num_stages - 1;
-        for (_, g) in &self.stages {
-            g.begin_step()?;
-        }
-        let scored = (|| -> Result<(f64, f64)> {
-            let (mut sum, mut count) = (0.0, 0.0);
-            for b in 0..batches {
-                let Some(batch) =
-                    self.data
-                        .validation_batch(&sampler, b, first..first + per_replica)
-                else {
-                    return Ok((0.0, 0.0));
-                };
-                let (x, y) = batch?;
-                let (x, y) = (self.on_device(&x)?, self.on_device(&y)?);
-                for mb in 0..m {
-                    let mut h = None;
-                    for (s, g) in &self.stages {
-                        let s = *s;
-                        // The activation for stage `to`; distinct from the training
-                        // step's tags (stage << 33 | …).
-                        let tag = |to: u32| {
-                            (1u64 << 62) | u64::from(to) << 44 | (b as u64) << 22 | mb as u64
-                        };
-                        let input = match s {
-                            0 => x.narrow(0, mb * mbs, mbs)?,
-                            _ if pipe.rank_of_stage(s - 1) == me => h.take().expect("ran"),
-                            _ => self.on_device(
-                                &self
-                                    .mesh
-                                    .pp
-                                    .recv(pipe.rank_of_stage(s - 1) as usize, tag(s))?,
-                            )?,
-                        };
-                        let out = g.forward(&input)?;
-                        if s == last {
-                            let loss = g.loss(&out, &y.narrow(0, mb * mbs, mbs)?)?;
-                            if self.mesh.coord.tp == 0 {
-                                let n = (mbs * c.seq_len) as f64;
-                                sum += loss.to_scalar::<f32>()? as f64 * n;
-                                count += n;
-                            }
-                        } else if pipe.rank_of_stage(s + 1) == me {
-                            h = Some(out);
-                        } else {
-                            self.mesh.pp.send(
-                                &out,
-                                pipe.rank_of_stage(s + 1) as usize,
-                                tag(s + 1),
-                            )?;
-                        }
-                    }
-                }
-            }
-            Ok((sum, count))
-        })();
-        for (_, g) in &self.stages {
-            g.end_step();
-        }
-        let (sum, count) = scored?;
-        let all = self
-            .mesh
-            .world
-            .all_reduce(&Tensor::new(&[sum, count], &Device::Cpu)?, ReduceOp::Sum)?
-            .to_vec1::<f64>()?;
-        Ok(Some(all[0] / all[1]))
-    }
-
-    /// This rank's part of a checkpoint: the shards it owns (none outside data-parallel
-    /// replica 0; a replicated parameter on tensor rank 0 only; a tied table only on the
-    /// stage that holds the embeddings) with their Adam moments, whole: under ZeRO they
-    /// are all-gathered from the replicas, so every replica must call this (a collective
-    /// over the data-parallel group), and the files are the same as without ZeRO.
-    pub fn checkpoint_shards(&self) -> Result<Vec<RankShard>> {
-        let gathered = match &self.opt {
-            Optimizer::Sharded(o) => Some(
-                o.full_moments(&*self.mesh.dp)
-                    .context("ZeRO: all-gathering the moments for a checkpoint")?,
-            ),
-            Optimizer::Full(_) => None,
-        };
-        self.gathered(|| {
-            if self.mesh.coord.dp != 0 {
-                return Ok(Vec::new());
-            }
-            let (tp_rank, tp_size) = (self.mesh.coord.tp, self.cfg.tp);
-            let mut out = Vec::new();
-            for (i, (p, owned)) in self.params.iter().zip(&self.owned).enumerate() {
-                if !owned {
-                    continue;
-                }
-                let (m, v) = match (&self.opt, &gathered) {
-                    (Optimizer::Full(o), _) => (&o.moments[i].m, &o.moments[i].v),
-                    (Optimizer::Sharded(_), Some(g)) => (&g[i].0, &g[i].1),
-                    (Optimizer::Sharded(_), None) => unreachable!("gathered above"),
-                };
-                let shape = p.var.shape().clone();
-                out.push(RankShard {
-                    name: p.name.clone(),
-                    spec: p.spec,
-                    full_shape: p.full_shape.clone(),
-                    tp_rank,
-                    tp_size,
-                    value: p.var.as_tensor().copy()?,
-                    m: Tensor::from_vec(m.clone(), &shape, &Device::Cpu)?,
-                    v: Tensor::from_vec(v.clone(), &shape, &Device::Cpu)?,
-                });
-            }
-            Ok(out)
-        })
-    }
-
-    /// Restores the optimizer from full moments (any earlier layout) and its step count.
-    /// The parameters themselves come in through `ParamSource::Full` when the worker is built.
-    pub fn restore_optimizer(
-        &mut self,
-        m: &HashMap<String, Tensor>,
-        v: &HashMap<String, Tensor>,
-        t: u64,
-    ) -> Result<()> {
-        let (rank, n) = (self.mesh.coord.tp, self.cfg.tp);
-        let mut moments = Vec::with_capacity(self.params.len());
-        for p in &self.params {
-            let get = |map: &HashMap<String, Tensor>| -> Result<Vec<f64>> {
-                let Some(full) = map.get(&p.name) else {
-                    fail!(
-                        Checkpoint,
-                        "the checkpoint has no optimizer state for {}",
-                        p.name
-                    );
-                };
-                Ok(p.spec
-                    .shard_of(&p.name, full, rank, n)?
-                    .flatten_all()?
-                    .to_dtype(DType::F64)?
-                    .to_vec1()?)
-            };
-            moments.push((get(m)?, get(v)?));
-        }
-        match &mut self.opt {
-            Optimizer::Full(o) => {
-                for (mom, (m, v)) in o.moments.iter_mut().zip(moments) {
-                    (mom.m, mom.v) = (m, v);
-                }
-                o.t = t;
-            }
-            Optimizer::Sharded(o) => o
-                .restore(&moments, t)
-                .context("ZeRO: cutting the checkpoint's moments into this replica's shards")?,
-        }
-        Ok(())
-    }
-
-    /// Every parameter's full gradient by name, gathered over the tensor-parallel group
-    /// (a collective over `tp`). For parity tests and debugging.
-    pub fn full_grads(&self, grads: &[Option<Tensor>]) -> Result<Vec<(String, Tensor)>> {
-        let tp = &*self.mesh.tp;
-        self.params
-            .iter()
-            .zip(grads)
-            .map(|(p, g)| {
-                let g = match g {
-                    Some(g) => g.clone(),
-                    None => p.var.zeros_like()?,
-                };
-                Ok((p.name.clone(), gather_full_tensor(tp, &p.spec, &g)?))
-            })
-            .collect()
     }
 }
