@@ -19,8 +19,8 @@ use switchyard_shard::{
 use std::collections::HashMap;
 
 use crate::{
-    gpt_layer_costs, Activations, Footprint, GptConfig, LayerCosts, Model, ModelError, ModelStage,
-    StagePlan, Tied,
+    gpt_layer_costs, Footprint, GptConfig, LayerCosts, Model, ModelError, ModelStage, StagePlan,
+    Tied,
 };
 
 /// LayerNorm epsilon, as GPT-2.
@@ -316,7 +316,7 @@ impl ModelStage for GptStage {
 }
 
 /// The token table, which a tied LM head shares.
-const WTE: &str = "transformer.wte.weight";
+pub(crate) const WTE: &str = "transformer.wte.weight";
 /// The untied LM head, and a tied one's alias in nanoGPT's state dict.
 pub(crate) const LM_HEAD: &str = "lm_head.weight";
 
@@ -369,174 +369,15 @@ impl Model for GptConfig {
         gpt_layer_costs(self, seq_len)
     }
 
-    /// Arithmetic, for any size. With `d` the width, `h` the heads, `V_p = ⌈V/tp⌉` the
-    /// vocabulary rows of a rank, per token of a microbatch a block saves
-    ///
-    /// * `12·d/tp`: what the column-parallel halves produce (q, k, v, the attention's
-    ///   output, the MLP's hidden activation before and after the GELU);
-    /// * `6·d`: what every rank holds whole (the two LayerNorms' outputs, the two
-    ///   row-parallel outputs, the two residual sums);
-    /// * `h/tp`: the attention's log-sum-exp per head (no `T × T` scores: the fused
-    ///   attention recomputes them);
-    ///
-    /// the embeddings save `2·d` (`3·d` when the table is split: the partial rows and
-    /// their sum), the head `d + V_p` (`2·d + V_p` when split). A block's weights are
-    /// packed for the fused kernels once per step (`12·d²/tp`). These are the fused ops'
-    /// figures. The composed ops keep every intermediate candle creates: per token a
-    /// block keeps `16·d + 56·d/tp + 6·T·h/tp` (the LayerNorms' five `d`-wide steps
-    /// each, the GELU's nine `4·d/tp`-wide ones, six `T × T` score tensors per head;
-    /// `4·d` more for the collectives' hooks when split) and one `T × T` mask per
-    /// microbatch; the head keeps the logits, shifted and exponentiated. Measured against
-    /// `switchyard-mem` in `switchyard-train`'s `tests/estimate.rs`.
+    /// Arithmetic, for any size (`gpt_footprint.rs` derives every term: per token a
+    /// block saves `12·d/tp + 6·d + h/tp` with the fused ops).
     fn footprint(
         &self,
         plan: &StagePlan,
         tp: usize,
         seq_len: usize,
     ) -> std::result::Result<Footprint, ModelError> {
-        GptConfig::validate(self)?;
-        let (d, layers) = (self.d_model, plan.blocks.len());
-        let tp = tp.max(1);
-        let rows = self.vocab_size.div_ceil(tp);
-        let mut f = Footprint::default();
-        if plan.embed {
-            f.add_param(rows * d);
-            f.add_param(self.block_size * d);
-            if self.tied_embeddings && !plan.head {
-                f.tied.push((WTE.into(), rows * d));
-            }
-        }
-        let mut block = 0;
-        for _ in 0..layers {
-            block = 0;
-            for elems in [
-                d,
-                d,
-                3 * d * d / tp,
-                3 * d / tp,
-                d * d / tp,
-                d,
-                d,
-                d,
-                4 * d * d / tp,
-                4 * d / tp,
-                4 * d * d / tp,
-                d,
-            ] {
-                f.add_param(elems);
-                block += elems;
-            }
-        }
-        // The segments: a block each, the embeddings with the first, the head with the
-        // last; a table tied to a head on the same stage is used by both ends.
-        let tied_here = self.tied_embeddings && plan.embed && plan.head;
-        let table = |own: bool| {
-            if own && !self.tied_embeddings {
-                rows * d
-            } else {
-                0
-            }
-        };
-        let embed_seg = match plan.embed {
-            true => self.block_size * d + table(true),
-            false => 0,
-        };
-        let head_seg = match plan.head {
-            true => 2 * d + table(true),
-            false => 0,
-        };
-        f.shared = if tied_here { rows * d } else { 0 };
-        f.largest_segment = match layers {
-            0 | 1 => block + embed_seg + head_seg,
-            _ => block + embed_seg.max(head_seg),
-        };
-        if plan.head {
-            f.add_param(d);
-            f.add_param(d);
-            if !self.tied_embeddings || !plan.embed {
-                f.add_param(rows * d);
-            }
-            if self.tied_embeddings && !plan.embed {
-                f.tied.push((WTE.into(), rows * d));
-            }
-        }
-        f.step_cache = layers * 12 * d * d / tp;
-        let split = tp > 1;
-        let rows = rows as f64;
-        let (d, l, h) = (d as f64, layers as f64, (self.n_head / tp) as f64);
-        let a = tp as f64;
-        let (block, per_microbatch, block_tensors, ln_f) = match self.ops {
-            OpsBackend::Fused => (12.0 * d / a + 6.0 * d + h, 0, 32, d),
-            // Candle keeps every intermediate of the composed ops (see the doc above).
-            OpsBackend::Composed => {
-                let t = seq_len as f64;
-                let hooks = if split { 4.0 * d } else { 0.0 };
-                let block = 16.0 * d + 56.0 * d / a + 6.0 * h * t + 2.0 * h + 10.0 + hooks;
-                (block, seq_len * seq_len, 60, 5.0 * d + 5.0)
-            }
-        };
-        let embed = match (plan.embed, split) {
-            (false, _) => 0.0,
-            (true, false) => 2.0 * d,
-            (true, true) => 3.0 * d,
-        };
-        let head = match plan.head {
-            false => 0.0,
-            true => {
-                ln_f + if split { d } else { 0.0 }
-                    + match self.ops {
-                        OpsBackend::Fused => rows,
-                        // The logits, shifted and exponentiated, and a few values per row.
-                        OpsBackend::Composed => 3.0 * rows + 8.0,
-                    }
-            }
-        };
-        let mut tensors = block_tensors * layers;
-        tensors += 4 * plan.embed as usize + 8 * plan.head as usize;
-        // One segment per block, the embeddings in the first and the head in the last.
-        let segment = match layers {
-            0 | 1 => block * l + embed + head,
-            _ => block + embed.max(head),
-        };
-        f.activations = Some(Activations {
-            per_token: l * block + embed + head,
-            per_microbatch: layers * per_microbatch,
-            tensors,
-            backward_per_token: match self.ops {
-                OpsBackend::Fused => 5.0 * d + if plan.head { rows } else { 0.0 },
-                // Candle's backward holds each node's gradient until it is used, with
-                // temporaries of the chain rule: fitted to measurements (`tests/estimate.rs`).
-                OpsBackend::Composed => {
-                    let t = seq_len as f64;
-                    (32.0 * d + 4.0 * d * l) / a
-                        + 2.0 * h * t
-                        + if plan.head { 5.0 * rows } else { 0.0 }
-                }
-            },
-            // The fused MLP's GELU output (the composed twin keeps everything).
-            selective_per_token: match self.ops {
-                OpsBackend::Fused => l * 4.0 * d / a,
-                OpsBackend::Composed => 0.0,
-            },
-            segments: layers.max(1),
-            segment_input_per_token: d,
-            segment_per_token: segment,
-            // The MLP's first product, or the head's.
-            largest_product: (4 * self.d_model / tp * self.d_model * (layers > 0) as usize)
-                .max(self.d_model * self.vocab_size.div_ceil(tp) * plan.head as usize),
-            fused_products: self.ops == OpsBackend::Fused,
-            // The fused attention's backward: the scores and their gradients of one head
-            // (`T × T` each), the row sums and `kᵀ`, `vᵀ` (`switchyard_ops::attention`).
-            backward_scratch_per_thread: match (self.ops, layers) {
-                (OpsBackend::Fused, 1..) => {
-                    let hd = self.d_model / self.n_head;
-                    2 * seq_len * seq_len + seq_len + 2 * hd * seq_len
-                }
-                _ => 0,
-            },
-            input_per_token: if plan.embed { 0.0 } else { d },
-        });
-        Ok(f)
+        crate::gpt_footprint::footprint(self, plan, tp, seq_len)
     }
 
     /// The token table, on the first and the last stage, when the head is tied and they

@@ -47,6 +47,7 @@
 mod config;
 mod error;
 mod gpt;
+mod gpt_footprint;
 pub mod hf;
 mod mlp;
 mod model;

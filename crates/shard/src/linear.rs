@@ -117,14 +117,14 @@ fn refill_fused(fused: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<()> {
             for (d, s) in dst.chunks_mut(ld).zip(w.chunks(cols)) {
                 d[..cols].copy_from_slice(s);
             }
-            Ok(())
+            Result::Ok(())
         })?;
         if let Some(b) = b {
             with_f32_values(b, |b| {
                 for (r, &x) in b.iter().enumerate().take(rows) {
                     dst[r * ld + cols] = x;
                 }
-                Ok(())
+                Result::Ok(())
             })?;
         }
         Ok(())

@@ -70,9 +70,13 @@ pub fn fill_f32_with(t: &Tensor, f: impl FnOnce(&mut [f32]) -> Result<()>) -> Re
     t.inplace_op1(&Fill(std::sync::Mutex::new(Some(CpuStorage::F32(data)))))
 }
 
-/// Runs `f` on the f32 values of `t` when it is a contiguous f32 CPU tensor (without a
-/// copy), else on a copy of them.
-pub fn with_f32_values<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> Result<R>) -> Result<R> {
+/// Runs `f` on the f32 values of `t` (flattened) when it is a contiguous f32 CPU tensor
+/// (without a copy), else on a copy of them. `f` may fail with any error a candle error
+/// converts into.
+pub fn with_f32_values<R, E: From<candle_core::Error>>(
+    t: &Tensor,
+    f: impl FnOnce(&[f32]) -> std::result::Result<R, E>,
+) -> std::result::Result<R, E> {
     {
         let (s, l) = t.storage_and_layout();
         if let (candle_core::Storage::Cpu(CpuStorage::F32(v)), true) = (&*s, l.is_contiguous()) {

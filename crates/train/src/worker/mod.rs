@@ -199,7 +199,7 @@ impl<'a, M: Model> Worker<'a, M> {
             })
             .collect::<Result<_>>()?;
         let params = store.params();
-        let index = params
+        let index: HashMap<TensorId, usize> = params
             .iter()
             .enumerate()
             .map(|(i, p)| (p.var.id(), i))
@@ -241,7 +241,6 @@ impl<'a, M: Model> Worker<'a, M> {
             }
         }
         drop(category);
-        let index: HashMap<TensorId, usize> = index;
         let sizes: Vec<usize> = params.iter().map(|p| p.var.elem_count()).collect();
         let units = (cfg.zero >= 2).then(|| {
             let refs: Vec<(u32, &dyn Stage)> = stages
@@ -251,23 +250,21 @@ impl<'a, M: Model> Worker<'a, M> {
             let pinned: Vec<usize> = tied.iter().map(|(i, _)| *i).collect();
             Units::new(&refs, &index, &sizes, &pinned, cfg.bucket_mib)
         });
-        let opt = {
+        let mut opt = {
             let _optimizer = switchyard_mem::scope(Category::Optimizer);
             let vars: Vec<Var> = params.iter().map(|p| p.var.clone()).collect();
-            let dp = (cfg.dp, mesh.coord.dp);
-            match (cfg.zero, &units) {
-                (0, _) => Optimizer::Full(AdamW::new(vars, cfg.adamw())),
-                (_, Some(u)) => {
-                    let layout = zero::Layout::of_groups(u.groups.clone(), &sizes, dp.0, dp.1);
-                    Optimizer::Sharded(ShardedAdamW::new(vars, cfg.adamw(), layout))
-                }
-                (_, None) => {
-                    let layout = zero::Layout::new(&sizes, cfg.bucket_mib, dp.0, dp.1);
-                    Optimizer::Sharded(ShardedAdamW::new(vars, cfg.adamw(), layout))
-                }
+            let (dp, r) = (cfg.dp, mesh.coord.dp);
+            // Stage 1 cuts buckets by size, stages 2 and 3 by segment.
+            let layout = match &units {
+                _ if cfg.zero == 0 => None,
+                Some(u) => Some(zero::Layout::of_groups(u.groups.clone(), &sizes, dp, r)),
+                None => Some(zero::Layout::new(&sizes, cfg.bucket_mib, dp, r)),
+            };
+            match layout {
+                None => Optimizer::Full(AdamW::new(vars, cfg.adamw())),
+                Some(l) => Optimizer::Sharded(ShardedAdamW::new(vars, cfg.adamw(), l)),
             }
         };
-        let mut opt = opt;
         if let (3, Optimizer::Sharded(o)) = (cfg.zero, &mut opt) {
             let _parameters = switchyard_mem::scope(Category::Parameters);
             o.shard_params()

@@ -32,9 +32,10 @@
 
 use std::ops::Range;
 
-use candle_core::{CpuStorage, DType, Device, Storage, Tensor, Var};
+use candle_core::{DType, Device, Tensor, Var};
 use switchyard_comm::{Communicator, ReduceOp};
 use switchyard_mem::Category;
+use switchyard_shard::storage::with_f32_values;
 
 use crate::error::{fail, Result};
 
@@ -328,7 +329,7 @@ impl ShardedAdamW {
         drop(mine);
         drop(comm);
         let _parameters = switchyard_mem::scope(Category::Parameters);
-        with_f32(&full, |full| {
+        with_f32_values(&full, |full| -> Result<()> {
             for (&i, &o) in b.params.iter().zip(&b.offsets) {
                 let var = self.params[i].as_tensor();
                 let n = var.elem_count();
@@ -366,19 +367,18 @@ impl ShardedAdamW {
         self.t += 1;
         let dpn = self.layout.dp;
         for (k, (b, g)) in self.layout.buckets.iter().zip(shards).enumerate() {
-            // The shard of the parameters is what the all-gather sends: a communication
-            // buffer (the measured optimizer state is the moments alone).
-            let comm = switchyard_mem::scope(Category::Comm);
-            let mut own = match &mut self.held {
-                Some(_) => Vec::new(),
-                None => vec![0f32; b.shard],
+            // Stage 3 updates its own shard of the parameters; stages 1 and 2 read theirs
+            // into a buffer the all-gather then sends (a communication buffer: the
+            // measured optimizer state is the moments alone).
+            let stage3 = self.held.is_some();
+            let mut p = match self.held.as_mut() {
+                Some(held) => std::mem::take(&mut held[k]),
+                None => {
+                    let _comm = switchyard_mem::scope(Category::Comm);
+                    vec![0f32; b.shard]
+                }
             };
-            drop(comm);
-            let (p, stage3) = match &mut self.held {
-                Some(held) => (&mut held[k], true),
-                None => (&mut own, false),
-            };
-            with_f32(g, |g| {
+            with_f32_values(g, |g| -> Result<()> {
                 for pc in &b.pieces {
                     let var = &self.params[pc.param];
                     if var.dtype() != DType::F32 {
@@ -409,12 +409,13 @@ impl ShardedAdamW {
                 }
                 Ok(())
             })?;
-            if stage3 {
+            if let Some(held) = self.held.as_mut() {
                 // The next use gathers them.
+                held[k] = p;
                 continue;
             }
             let comm = switchyard_mem::scope(Category::Comm);
-            let full = dp.all_gather(&Tensor::from_vec(own, b.shard, &Device::Cpu)?, 0)?;
+            let full = dp.all_gather(&Tensor::from_vec(p, b.shard, &Device::Cpu)?, 0)?;
             debug_assert_eq!(full.elem_count(), b.padded(dpn));
             for (&i, &o) in b.params.iter().zip(&b.offsets) {
                 let var = &self.params[i];
@@ -472,39 +473,12 @@ impl ShardedAdamW {
     }
 }
 
-/// Runs `f` on the f32 values of `t` (a 1-D gradient shard): in place when it is a
-/// contiguous f32 CPU tensor, else on a copy.
-fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> Result<R>) -> Result<R> {
-    {
-        let (s, l) = t.storage_and_layout();
-        if let (Storage::Cpu(CpuStorage::F32(v)), true) = (&*s, l.is_contiguous()) {
-            let (a, b) = (l.start_offset(), l.start_offset() + l.shape().elem_count());
-            return f(&v[a..b]);
-        }
-    }
-    let copy = t
-        .to_dtype(DType::F32)?
-        .to_device(&Device::Cpu)?
-        .to_vec1::<f32>()?;
-    f(&copy)
-}
-
 /// Copies elements `from..from + out.len()` of the flattened f32 tensor `t` into `out`.
 fn read_f32(t: &Tensor, from: usize, out: &mut [f32]) -> Result<()> {
-    {
-        let (s, l) = t.storage_and_layout();
-        if let (Storage::Cpu(CpuStorage::F32(v)), true) = (&*s, l.is_contiguous()) {
-            let a = l.start_offset() + from;
-            out.copy_from_slice(&v[a..a + out.len()]);
-            return Ok(());
-        }
-    }
-    let piece = t
-        .flatten_all()?
-        .narrow(0, from, out.len())?
-        .to_vec1::<f32>()?;
-    out.copy_from_slice(&piece);
-    Ok(())
+    with_f32_values(t, |v| -> Result<()> {
+        out.copy_from_slice(&v[from..from + out.len()]);
+        Ok(())
+    })
 }
 
 /// A rank's optimizer: AdamW over its whole parameters, or over its ZeRO shard of them.

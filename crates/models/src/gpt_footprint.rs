@@ -1,0 +1,179 @@
+//! The GPT's memory footprint, for the estimator (`Model::footprint` of [`GptConfig`]).
+//!
+//! Arithmetic, for any size. With `d` the width, `h` the heads, `V_p = ⌈V/tp⌉` the
+//! vocabulary rows of a rank, per token of a microbatch a block saves
+//!
+//! * `12·d/tp`: what the column-parallel halves produce (q, k, v, the attention's
+//!   output, the MLP's hidden activation before and after the GELU);
+//! * `6·d`: what every rank holds whole (the two LayerNorms' outputs, the two
+//!   row-parallel outputs, the two residual sums);
+//! * `h/tp`: the attention's log-sum-exp per head (no `T × T` scores: the fused
+//!   attention recomputes them);
+//!
+//! the embeddings save `2·d` (`3·d` when the table is split: the partial rows and
+//! their sum), the head `d + V_p` (`2·d + V_p` when split). A block's weights are
+//! packed for the fused kernels once per step (`12·d²/tp`). These are the fused ops'
+//! figures. The composed ops keep every intermediate candle creates: per token a
+//! block keeps `16·d + 56·d/tp + 6·T·h/tp` (the LayerNorms' five `d`-wide steps
+//! each, the GELU's nine `4·d/tp`-wide ones, six `T × T` score tensors per head;
+//! `4·d` more for the collectives' hooks when split) and one `T × T` mask per
+//! microbatch; the head keeps the logits, shifted and exponentiated. Measured against
+//! `switchyard-mem` in `switchyard-train`'s `tests/estimate.rs`.
+
+use switchyard_shard::OpsBackend;
+
+use crate::gpt::WTE;
+use crate::{Activations, Footprint, GptConfig, ModelError, StagePlan};
+
+/// What stage `plan` of `cfg` holds and saves on one rank of a tensor-parallel group of
+/// `tp`, for sequences of `seq_len` tokens.
+pub(crate) fn footprint(
+    cfg: &GptConfig,
+    plan: &StagePlan,
+    tp: usize,
+    seq_len: usize,
+) -> Result<Footprint, ModelError> {
+    GptConfig::validate(cfg)?;
+    let (d, layers) = (cfg.d_model, plan.blocks.len());
+    let tp = tp.max(1);
+    let rows = cfg.vocab_size.div_ceil(tp);
+    let mut f = Footprint::default();
+    if plan.embed {
+        f.add_param(rows * d);
+        f.add_param(cfg.block_size * d);
+        if cfg.tied_embeddings && !plan.head {
+            f.tied.push((WTE.into(), rows * d));
+        }
+    }
+    let mut block = 0;
+    for _ in 0..layers {
+        block = 0;
+        for elems in [
+            d,
+            d,
+            3 * d * d / tp,
+            3 * d / tp,
+            d * d / tp,
+            d,
+            d,
+            d,
+            4 * d * d / tp,
+            4 * d / tp,
+            4 * d * d / tp,
+            d,
+        ] {
+            f.add_param(elems);
+            block += elems;
+        }
+    }
+    // The segments: a block each, the embeddings with the first, the head with the
+    // last; a table tied to a head on the same stage is used by both ends.
+    let tied_here = cfg.tied_embeddings && plan.embed && plan.head;
+    let table = |own: bool| {
+        if own && !cfg.tied_embeddings {
+            rows * d
+        } else {
+            0
+        }
+    };
+    let embed_seg = match plan.embed {
+        true => cfg.block_size * d + table(true),
+        false => 0,
+    };
+    let head_seg = match plan.head {
+        true => 2 * d + table(true),
+        false => 0,
+    };
+    f.shared = if tied_here { rows * d } else { 0 };
+    f.largest_segment = match layers {
+        0 | 1 => block + embed_seg + head_seg,
+        _ => block + embed_seg.max(head_seg),
+    };
+    if plan.head {
+        f.add_param(d);
+        f.add_param(d);
+        if !cfg.tied_embeddings || !plan.embed {
+            f.add_param(rows * d);
+        }
+        if cfg.tied_embeddings && !plan.embed {
+            f.tied.push((WTE.into(), rows * d));
+        }
+    }
+    f.step_cache = layers * 12 * d * d / tp;
+    let split = tp > 1;
+    let rows = rows as f64;
+    let (d, l, h) = (d as f64, layers as f64, (cfg.n_head / tp) as f64);
+    let a = tp as f64;
+    let (block, per_microbatch, block_tensors, ln_f) = match cfg.ops {
+        OpsBackend::Fused => (12.0 * d / a + 6.0 * d + h, 0, 32, d),
+        // Candle keeps every intermediate of the composed ops (see the doc above).
+        OpsBackend::Composed => {
+            let t = seq_len as f64;
+            let hooks = if split { 4.0 * d } else { 0.0 };
+            let block = 16.0 * d + 56.0 * d / a + 6.0 * h * t + 2.0 * h + 10.0 + hooks;
+            (block, seq_len * seq_len, 60, 5.0 * d + 5.0)
+        }
+    };
+    let embed = match (plan.embed, split) {
+        (false, _) => 0.0,
+        (true, false) => 2.0 * d,
+        (true, true) => 3.0 * d,
+    };
+    let head = match plan.head {
+        false => 0.0,
+        true => {
+            ln_f + if split { d } else { 0.0 }
+                + match cfg.ops {
+                    OpsBackend::Fused => rows,
+                    // The logits, shifted and exponentiated, and a few values per row.
+                    OpsBackend::Composed => 3.0 * rows + 8.0,
+                }
+        }
+    };
+    let mut tensors = block_tensors * layers;
+    tensors += 4 * plan.embed as usize + 8 * plan.head as usize;
+    // One segment per block, the embeddings in the first and the head in the last.
+    let segment = match layers {
+        0 | 1 => block * l + embed + head,
+        _ => block + embed.max(head),
+    };
+    f.activations = Some(Activations {
+        per_token: l * block + embed + head,
+        per_microbatch: layers * per_microbatch,
+        tensors,
+        backward_per_token: match cfg.ops {
+            OpsBackend::Fused => 5.0 * d + if plan.head { rows } else { 0.0 },
+            // Candle's backward holds each node's gradient until it is used, with
+            // temporaries of the chain rule: fitted to measurements (`tests/estimate.rs`).
+            OpsBackend::Composed => {
+                let t = seq_len as f64;
+                (32.0 * d + 4.0 * d * l) / a
+                    + 2.0 * h * t
+                    + if plan.head { 5.0 * rows } else { 0.0 }
+            }
+        },
+        // The fused MLP's GELU output (the composed twin keeps everything).
+        selective_per_token: match cfg.ops {
+            OpsBackend::Fused => l * 4.0 * d / a,
+            OpsBackend::Composed => 0.0,
+        },
+        segments: layers.max(1),
+        segment_input_per_token: d,
+        segment_per_token: segment,
+        // The MLP's first product, or the head's.
+        largest_product: (4 * cfg.d_model / tp * cfg.d_model * (layers > 0) as usize)
+            .max(cfg.d_model * cfg.vocab_size.div_ceil(tp) * plan.head as usize),
+        fused_products: cfg.ops == OpsBackend::Fused,
+        // The fused attention's backward: the scores and their gradients of one head
+        // (`T × T` each), the row sums and `kᵀ`, `vᵀ` (`switchyard_ops::attention`).
+        backward_scratch_per_thread: match (cfg.ops, layers) {
+            (OpsBackend::Fused, 1..) => {
+                let hd = cfg.d_model / cfg.n_head;
+                2 * seq_len * seq_len + seq_len + 2 * hd * seq_len
+            }
+            _ => 0,
+        },
+        input_per_token: if plan.embed { 0.0 } else { d },
+    });
+    Ok(f)
+}
