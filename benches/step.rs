@@ -3,6 +3,9 @@
 //! over 8 microbatches, each worker on one thread. The time of a step is rank 0's, after
 //! one untimed step; throughput is in tokens.
 //!
+//! A second group times ZeRO 3 with and without prefetching the gathers, with a
+//! network's latency on every collective ([`Latency`]).
+//!
 //! Run: `cargo bench --bench step`. `switchyard bench` times the full reference workload.
 
 #[global_allocator]
@@ -13,19 +16,27 @@ use std::time::{Duration, Instant};
 use criterion::{criterion_group, Criterion, Throughput};
 use switchyard::bench::{cases, config, Preset};
 use switchyard::comm::local::Launcher;
+use switchyard::comm::Latency;
+use switchyard::models::GptConfig;
 use switchyard::shard::ParamSource;
 use switchyard::train::data::Corpus;
-use switchyard::train::Worker;
+use switchyard::train::{TrainConfig, Worker};
 
 /// `iters` steps of `case` after one warm-up step; rank 0's time.
 fn steps(preset: &Preset, case: &str, iters: u64) -> Duration {
     let c = cases(preset).into_iter().find(|c| c.name == case).unwrap();
-    let mut cfg = config(preset, &c);
+    steps_of(config(preset, &c), Duration::ZERO, iters)
+}
+
+/// `iters` steps of `cfg` after one warm-up step, every collective `latency` late
+/// ([`Latency`]); rank 0's time.
+fn steps_of(mut cfg: TrainConfig<GptConfig>, latency: Duration, iters: u64) -> Duration {
     cfg.steps = iters as usize + 1;
     let corpus = Corpus::bundled();
     let times = Launcher::new(cfg.world_size())
         .threads_per_worker(1)
         .run(|world| -> anyhow::Result<Duration> {
+            let world = Latency::wrap(world, latency);
             let mut w = Worker::new(world, &cfg, &corpus, ParamSource::Init { seed: cfg.seed })?;
             let _ = w.step(0)?;
             let t = Instant::now();
@@ -51,7 +62,30 @@ fn step(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, step);
+/// ZeRO 3 on 2 replicas with every collective 1 ms late (a network's latency): the
+/// segments' gathers in the step's path, or prefetched on the communication thread
+/// while the segment before computes. Compare the two as a ratio.
+fn zero3_prefetch(c: &mut Criterion) {
+    let p = Preset::named("small").unwrap();
+    let dp2 = cases(&p).into_iter().find(|c| c.name == "dp 2").unwrap();
+    let mut g = c.benchmark_group("zero3");
+    g.sample_size(10);
+    g.throughput(Throughput::Elements(p.tokens_per_step() as u64));
+    for prefetch in [false, true] {
+        let cfg = TrainConfig {
+            zero: 3,
+            zero_prefetch: prefetch,
+            ..config(&p, &dp2)
+        };
+        let name = format!("small dp 2, 1 ms a collective, prefetch {prefetch}");
+        g.bench_function(name, |b| {
+            b.iter_custom(|iters| steps_of(cfg.clone(), Duration::from_millis(1), iters))
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(benches, step, zero3_prefetch);
 
 /// mimalloc reads `MIMALLOC_PURGE_DELAY` when the process starts; `-1` keeps freed memory
 /// in the process, as `switchyard bench` does, so the timings include no page faults of

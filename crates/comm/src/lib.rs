@@ -63,6 +63,7 @@ pub mod conformance;
 mod counting;
 mod error;
 mod host;
+mod latency;
 pub mod local;
 mod mesh;
 pub mod mpi;
@@ -71,6 +72,7 @@ pub mod threads;
 
 pub use counting::{Counting, Counts, Traffic};
 pub use error::{CommError, Peer, Result};
+pub use latency::Latency;
 pub use mesh::{Mesh, MeshCoord, MeshShape};
 
 /// A message tag. Messages between the same pair of ranks are matched by tag, so

@@ -352,6 +352,16 @@ pub fn this_ledger() -> Option<Usage> {
     (t.slot() != 0).then(|| usage_of(t.slot()))
 }
 
+/// The ledger this thread charges, if it charges one: for a thread that works for the
+/// same rank (a communication thread), to [`LedgerId::enter`] it.
+pub fn current_ledger() -> Option<LedgerId> {
+    let t = current_tag();
+    (t.slot() != 0).then(|| LedgerId {
+        slot: t.slot(),
+        generation: t.generation(),
+    })
+}
+
 /// Restores the thread's previous ledger when dropped.
 #[must_use = "the ledger is left when the guard drops"]
 pub struct Entered {
@@ -440,6 +450,23 @@ mod tests {
         drop(v);
         l1.reset_peak();
         assert_eq!(l1.usage().peak, 0);
+    }
+
+    #[test]
+    fn a_helper_thread_charges_the_ledger_its_spawner_charges() {
+        let l = Ledger::new().unwrap();
+        assert_eq!(current_ledger(), None, "an untracked thread");
+        let id = {
+            let _in = l.enter();
+            current_ledger().expect("inside the ledger")
+        };
+        std::thread::spawn(move || {
+            let _in = id.enter();
+            drop(vec![0u8; 4096]);
+        })
+        .join()
+        .unwrap();
+        assert_eq!((l.usage().live, l.usage().peak), (0, 4096));
     }
 
     #[test]

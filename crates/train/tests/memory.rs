@@ -122,7 +122,8 @@ fn largest_segment(c: &TrainConfig<GptConfig>) -> usize {
 ///   the weight's and the bias's; the bucket they are flattened into for the
 ///   reduce-scatter is `comm`), where stages 0 and 1 keep every full gradient;
 /// - stage 3 holds `4·⌈Ψ/dp⌉` bytes of parameter shards plus the one segment gathered at
-///   the time (its fused weights are `other`, its gathered buffer `comm`).
+///   the time (its fused weights are `other`, its gathered buffer `comm`); prefetching
+///   the next segment adds at most that segment's gathered buffer to the peak.
 #[test]
 fn zero_shards_the_optimizer_state_over_the_replicas() {
     for dp in [2, 4] {
@@ -165,6 +166,32 @@ fn zero_shards_the_optimizer_state_over_the_replicas() {
                         n,
                         &format!("{what}: a replica's shard of the moments"),
                     ),
+                }
+                if zero == 3 {
+                    // Prefetching adds the next segment's gathered bucket (`comm`) at
+                    // most, and no parameters.
+                    let off = memory(&TrainConfig {
+                        zero_prefetch: false,
+                        ..c.clone()
+                    });
+                    let off = &off[m.rank];
+                    eprintln!(
+                        "{what}: peak {} B with prefetching, {} B without",
+                        m.peak_bytes, off.peak_bytes
+                    );
+                    about(
+                        off.bytes_by_category["parameters"],
+                        shard + segment,
+                        n,
+                        &format!("{what} without prefetching: the parameters"),
+                    );
+                    assert!(
+                        m.peak_bytes <= off.peak_bytes + segment + 64 * 1024,
+                        "{what}: a peak of {} B with prefetching, {} B without, \
+                         for a segment of {segment} B",
+                        m.peak_bytes,
+                        off.peak_bytes
+                    );
                 }
                 let grads = cat("gradients");
                 match zero {

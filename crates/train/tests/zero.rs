@@ -245,13 +245,14 @@ fn zero_two_and_three_work_with_every_layout_schedule_and_recomputation() {
     }
 }
 
-/// The traffic of one rank's data-parallel group over `steps` steps, and the rank's
-/// ZeRO layout of its parameters.
+/// The traffic of one rank's data-parallel group over `steps` steps (all-reduce,
+/// reduce-scatter, all-gather, and the all-gather of ZeRO 3's prefetch thread), and the
+/// rank's ZeRO layout of its parameters.
 #[allow(clippy::type_complexity)]
 fn dp_traffic(
     cfg: &TrainConfig<GptConfig>,
     steps: usize,
-) -> Vec<(usize, [Traffic; 3], Vec<usize>, Option<Units>)> {
+) -> Vec<(usize, [Traffic; 4], Vec<usize>, Option<Units>)> {
     let corpus = Corpus::bundled();
     Launcher::new(cfg.world_size())
         .threads_per_worker(1)
@@ -265,7 +266,12 @@ fn dp_traffic(
             let sizes = w.params().iter().map(|p| p.var.elem_count()).collect();
             Ok::<_, TrainError>((
                 w.mesh.world.rank(),
-                [t("all_reduce"), t("reduce_scatter"), t("all_gather")],
+                [
+                    t("all_reduce"),
+                    t("reduce_scatter"),
+                    t("all_gather"),
+                    counts.traffic("dp/prefetch", "all_gather"),
+                ],
                 sizes,
                 w.zero_units().cloned(),
             ))
@@ -288,7 +294,7 @@ fn zero_moves_the_bytes_of_the_all_reduce() {
         // Stage 1: the buckets of stage 0, reduce-scattered and gathered once a step.
         let zero = 1;
         let got = dp_traffic(&with_zero(&c, zero), steps);
-        for ((rank, want, sizes, _), (_, [ar, rs, ag], _, _)) in base.iter().zip(&got) {
+        for ((rank, want, sizes, _), (_, [ar, rs, ag, _], _, _)) in base.iter().zip(&got) {
             let what = format!("dp {dp} pp {pp} tp {tp} zero {zero} rank {rank}");
             let layout = Layout::new(sizes, bucket_mib, dp, 0);
             let n = layout.buckets.len();
@@ -345,10 +351,15 @@ fn zero_two_and_three_scatter_every_microbatch_and_three_gathers_every_use() {
         c.model.tied_embeddings = true;
         let (steps, m) = (2, c.microbatches);
         let base = dp_traffic(&with_zero(&c, 0), steps);
-        for zero in [2, 3] {
-            let got = dp_traffic(&with_zero(&c, zero), steps);
-            for ((rank, want, ..), (_, [ar, rs, ag], sizes, units)) in base.iter().zip(&got) {
-                let what = format!("dp {dp} pp {pp} tp {tp} {schedule} zero {zero} rank {rank}");
+        for (zero, prefetch) in [(2, false), (3, false), (3, true)] {
+            let mut z = with_zero(&c, zero);
+            z.zero_prefetch = prefetch;
+            let got = dp_traffic(&z, steps);
+            for ((rank, want, ..), (_, [ar, rs, ag, ahead], sizes, units)) in base.iter().zip(&got)
+            {
+                let what = format!(
+                    "dp {dp} pp {pp} tp {tp} {schedule} zero {zero} prefetch {prefetch} rank {rank}"
+                );
                 let units = units.as_ref().expect("units under ZeRO 2 and 3");
                 let layout = Layout::of_groups(units.groups.clone(), sizes, dp, 0);
                 let bytes = |k: usize| 4 * layout.buckets[k].padded(dp);
@@ -360,7 +371,8 @@ fn zero_two_and_three_scatter_every_microbatch_and_three_gathers_every_use() {
                 );
                 // A tied table is resident (its copies are summed across stages first).
                 assert!(!units.resident.is_empty(), "{what}: the tied table");
-                let sum = |ks: &[usize], times: usize| Traffic {
+                // `ks`' buckets, `times` a step, over `steps` steps.
+                let sum = |ks: &[usize], times: usize, steps: usize| Traffic {
                     calls: ks.len() * times * steps,
                     bytes: (ks.iter().map(|&k| bytes(k)).sum::<usize>() * times * steps) as u128,
                 };
@@ -372,16 +384,23 @@ fn zero_two_and_three_scatter_every_microbatch_and_three_gathers_every_use() {
                 assert!(want[0].calls > 0, "{what}: zero 0 all-reduces");
                 // Each segment's bucket once per microbatch as its backward ends; the
                 // resident ones once per step.
-                let scatter = add(sum(&segments, m), sum(&units.resident, 1));
+                let scatter = add(sum(&segments, m, steps), sum(&units.resident, 1, steps));
                 assert_eq!(*rs, scatter, "{what}: the reduce-scatter");
                 // Stage 2 gathers the updated shards once per step; stage 3 gathers a
                 // segment's parameters before its forward and before its backward (a
                 // recomputed forward runs inside the backward's), the resident ones once.
                 let gather = match zero {
-                    2 => sum(&(0..layout.buckets.len()).collect::<Vec<_>>(), 1),
-                    _ => add(sum(&segments, 2 * m), sum(&units.resident, 1)),
+                    2 => sum(&(0..layout.buckets.len()).collect::<Vec<_>>(), 1, steps),
+                    _ => add(sum(&segments, 2 * m, steps), sum(&units.resident, 1, steps)),
                 };
-                assert_eq!(*ag, gather, "{what}: the all-gather");
+                assert_eq!(add(*ag, *ahead), gather, "{what}: the all-gather");
+                // The prefetch thread gathers every segment's bucket from the second
+                // step on (the first records the order); nothing without it.
+                let prefetched = match prefetch {
+                    true => sum(&segments, 2 * m, steps - 1),
+                    false => Traffic::default(),
+                };
+                assert_eq!(*ahead, prefetched, "{what}: the prefetched all-gathers");
             }
         }
     }
@@ -524,4 +543,41 @@ fn a_non_finite_gradient_stops_every_rank_under_zero() {
             "zero {zero}: {e}"
         );
     }
+}
+
+/// No hangs: a replica that fails while the others' prefetch threads gather from it
+/// makes every other replica's step return an error that names the gather, the rank
+/// and the failed peer.
+#[test]
+fn a_replica_that_fails_mid_prefetch_fails_the_others_cleanly() {
+    let c = with_zero(&tiny(2, 1, 1, "1f1b"), 3);
+    assert!(c.zero_prefetch, "the default");
+    let corpus = Corpus::bundled();
+    let outcomes = Launcher::new(c.world_size())
+        .threads_per_worker(1)
+        .run_each(|world: Arc<dyn Communicator>| {
+            let me = world.rank();
+            let mut w = Worker::new(world, &c, &corpus, ParamSource::Init { seed: c.seed })?;
+            // The first step records the order of the gathers.
+            w.step(0)?.expect("finite");
+            if me == 1 {
+                return Err(TrainError::Config("rank 1 fails on purpose".into()));
+            }
+            // Rank 0's second step starts by prefetching its first segment from rank 1.
+            w.step(1)?.expect("finite");
+            Ok(())
+        });
+    let e = outcomes[0]
+        .as_ref()
+        .expect_err("rank 0 cannot finish its step");
+    for want in [
+        "ZeRO 3: prefetching bucket",
+        "all_gather",
+        "rank 0",
+        "rank 1",
+    ] {
+        assert!(e.message.contains(want), "{want:?} in {}", e.message);
+    }
+    let e = outcomes[1].as_ref().expect_err("rank 1 failed");
+    assert!(e.message.contains("on purpose"), "{}", e.message);
 }

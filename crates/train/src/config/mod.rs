@@ -68,10 +68,16 @@ pub struct TrainConfig<M> {
     /// ZeRO stage over the data-parallel replicas ([`crate::zero`]): 0 (off: every
     /// replica all-reduces the gradients and keeps all of AdamW's moments), 1 (each
     /// replica keeps the moments of `1/dp` of every bucket: gradients are
-    /// reduce-scattered, the own shard updated, the parameters all-gathered) or 2 (also
-    /// each bucket's full gradients dropped once scattered). Absent in configurations and
-    /// manifests written before it existed (0).
+    /// reduce-scattered, the own shard updated, the parameters all-gathered), 2 (also
+    /// each segment's full gradients dropped once scattered) or 3 (also the parameters
+    /// sharded, each segment's gathered just before it runs). Absent in configurations
+    /// and manifests written before it existed (0).
     pub zero: u8,
+    /// ZeRO 3: gather the next segment's parameters on a communication thread while the
+    /// current one computes (`true`, the default), or each just before it runs
+    /// ([`crate::zero::Prefetcher`]). Costs one segment's parameters of communication
+    /// buffer.
+    pub zero_prefetch: bool,
     /// Bound on any single blocking communication, in seconds.
     pub comm_timeout_secs: f64,
     /// Compute threads per worker (0 = share the cores out).
@@ -135,6 +141,7 @@ impl<M> TrainConfig<M> {
             seed: 1337,
             bucket_mib: 25.0,
             zero: 0,
+            zero_prefetch: true,
             comm_timeout_secs: 300.0,
             threads_per_worker: 0,
             shuffle: true,

@@ -282,7 +282,8 @@ pub fn estimate_memory<M: Model>(cfg: &TrainConfig<M>) -> Result<Vec<RankEstimat
             .fold((false, false), |x, y| (x.0 || y.0, x.1 || y.1));
         let scratch = |on: bool| if on { scratch_per_thread() } else { 0 };
         // ZeRO 3 holds the shards and the resident parameters; one segment's parameters
-        // and fused weights are gathered at a time (`gathered`, during compute).
+        // and fused weights are gathered at a time (`gathered`, during compute), and
+        // with prefetching the next one's gathered bucket.
         let fixed = Fixed {
             params: match zero3 {
                 true => shards + ELEM * resident + BYTES_PER_TENSOR * tensors,
@@ -295,8 +296,21 @@ pub fn estimate_memory<M: Model>(cfg: &TrainConfig<M>) -> Result<Vec<RankEstimat
             } + scratch(on_pool) * threads.saturating_sub(1),
             scratch: scratch(on_rank),
         };
+        // With prefetching, the next segment's gathered bucket (`comm`) is in flight
+        // while one computes.
+        let prefetched = match cfg.zero_prefetch {
+            true => ELEM * segment,
+            false => 0,
+        };
         let gathered = match zero3 {
-            true => [ELEM * segment, 0, 0, 0, 0, ELEM * cache / blocks.max(1)],
+            true => [
+                ELEM * segment,
+                0,
+                0,
+                0,
+                prefetched,
+                ELEM * cache / blocks.max(1),
+            ],
             false => [0; 6],
         };
         let bytes: BTreeMap<usize, StageBytes> = mine.iter().map(|&s| (s, per_stage(s))).collect();

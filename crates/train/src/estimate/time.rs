@@ -43,8 +43,12 @@
 //!   `4 · N_s` bytes of gradients (`N_s` the stage's share of the parameters), one piece
 //!   per segment, `R(x) = g · (k − 1) · α + (k − 1)/k · x / β` for `g` pieces over `k`
 //!   replicas (half an all-reduce); stage 3 also all-gathers the parameters before each
-//!   forward and each backward, `R` again. After the pipeline, stage 2 all-gathers the
-//!   updated parameters (`R` in buckets) instead of the all-reduce; stage 3 nothing.
+//!   forward and each backward, `R` again. Prefetched (`zero_prefetch`, the default),
+//!   each segment's gather runs on a communication thread while the segment before it
+//!   computes, so only `max(0, R − compute)` of the forward's and of the backward's
+//!   shows (the step's first gather is not counted). After the pipeline, stage 2
+//!   all-gathers the updated parameters (`R` in buckets) instead of the all-reduce;
+//!   stage 3 nothing.
 //! * **Pipeline messages**: every send and every receive of the lowered program takes
 //!   `P(n · w · 4) / 2`, `P(x) = α_p + x / β_p` the measured one-way time of a message
 //!   (a send and its receive together).
@@ -284,16 +288,18 @@ pub fn predict_step_time<M: Model>(
     // ZeRO 2 and 3 reduce-scatter every segment's gradients as its backward of each
     // microbatch ends; stage 3 also gathers a segment's parameters before its forward
     // and before its backward.
+    // Returns (forward's gathers, backward's gathers, backward's reduce-scatters).
     let zero_comm = |p: &StagePlan| {
         let bytes = 4.0 * params * flops(p) / total_flops.max(f64::MIN_POSITIVE) / cfg.tp as f64;
         let segments = p.blocks.len().max(1) as f64;
         let one = half(bytes, segments);
         match cfg.zero {
-            2 => (0.0, one),
-            3 => (one, 2.0 * one),
-            _ => (0.0, 0.0),
+            2 => (0.0, 0.0, one),
+            3 => (one, one, one),
+            _ => (0.0, 0.0, 0.0),
         }
     };
+    let phi = tm.forward_fraction;
     let parts =
         |p: &StagePlan| (p.blocks.len() + usize::from(p.embed) + usize::from(p.head)) as f64;
     // Per stage: (compute, tp forward, tp backward) of one microbatch.
@@ -313,8 +319,19 @@ pub fn predict_step_time<M: Model>(
                 fwd += 2.0 * all_reduce(tokens * 4.0);
                 bwd += all_reduce(activation);
             }
-            let (zf, zb) = zero_comm(p);
-            (compute, fwd + zf, bwd + zb)
+            let (mut gf, mut gb, sb) = zero_comm(p);
+            // Prefetched, each segment's gather runs while the one before computes:
+            // only what the compute does not cover shows.
+            if cfg.zero_prefetch {
+                let again = if cfg.recompute == Recompute::Full {
+                    phi
+                } else {
+                    0.0
+                };
+                gf = (gf - phi * compute).max(0.0);
+                gb = (gb - (1.0 - phi + again) * compute).max(0.0);
+            }
+            (compute, fwd + gf, bwd + gb + sb)
         })
         .collect();
     let comm = if program.num_ranks() > 1 {
@@ -322,7 +339,6 @@ pub fn predict_step_time<M: Model>(
     } else {
         0.0
     };
-    let phi = tm.forward_fraction;
     let stage_costs: Vec<Costs> = stages
         .iter()
         .map(|&(c, f, b)| {

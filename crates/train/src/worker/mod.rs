@@ -40,7 +40,7 @@ use switchyard_shard::{Param, ParamSource, ParamStore, ShardSpec};
 use crate::data::{Dataset, Sampler};
 use crate::error::{fail, Context, Result};
 use crate::optim::{sum_sq, AdamW, LrSchedule};
-use crate::zero::{self, Optimizer, ShardedAdamW, Units, ZeroHooks};
+use crate::zero::{self, Optimizer, Prefetcher, ShardedAdamW, Units, ZeroHooks};
 use crate::{Recompute, TrainConfig};
 
 mod grads;
@@ -140,6 +140,8 @@ pub struct Worker<'a, M: Model> {
     tied: Vec<(usize, Arc<dyn Communicator>)>,
     /// ZeRO 2 and 3: the buckets of the segments and the resident parameters.
     units: Option<Units>,
+    /// ZeRO 3 with `zero_prefetch`: the thread that gathers the next segment ahead.
+    prefetcher: Option<Prefetcher>,
     pub opt: Optimizer,
     pub schedule: LrSchedule,
     data: &'a dyn Dataset,
@@ -270,6 +272,10 @@ impl<'a, M: Model> Worker<'a, M> {
             o.shard_params()
                 .context("ZeRO 3: cutting the parameters into this replica's shards")?;
         }
+        let prefetcher = match cfg.zero == 3 && cfg.zero_prefetch {
+            true => Some(Prefetcher::new(&*mesh.dp)?),
+            false => None,
+        };
         let schedule = LrSchedule {
             max_lr: cfg.lr,
             min_lr: cfg.min_lr,
@@ -288,6 +294,7 @@ impl<'a, M: Model> Worker<'a, M> {
             owned,
             tied,
             units,
+            prefetcher,
             opt,
             schedule,
             data,
@@ -387,9 +394,14 @@ impl<'a, M: Model> Worker<'a, M> {
             .map(|((s, _), w)| (*s, w as &dyn Stage))
             .collect();
         let hooks = match (segmented, &self.units, &self.opt) {
-            (true, Some(units), Optimizer::Sharded(o)) => {
-                Some(ZeroHooks::new(units, o, &*self.mesh.dp, &refs, &self.index))
-            }
+            (true, Some(units), Optimizer::Sharded(o)) => Some(ZeroHooks::new(
+                units,
+                o,
+                &*self.mesh.dp,
+                &refs,
+                &self.index,
+                self.prefetcher.as_ref(),
+            )?),
             _ => None,
         };
         let mut exec = Executor::with_checked(&self.program, &*self.mesh.pp, refs)?

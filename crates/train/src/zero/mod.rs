@@ -39,8 +39,10 @@ use switchyard_shard::storage::with_f32_values;
 
 use crate::error::{fail, Result};
 
+mod prefetch;
 mod segments;
 use crate::optim::{sum_sq, update_slice, AdamW, AdamWConfig, StepScalars};
+pub use prefetch::Prefetcher;
 pub use segments::{Units, ZeroHooks};
 
 /// The buckets of consecutive parameters, by their element counts `sizes`: each holds
@@ -317,19 +319,34 @@ impl ShardedAdamW {
     /// Stage 3: all-gathers bucket `k`'s parameters over `dp` into the variables.
     /// Collective over `dp`.
     pub fn gather(&self, dp: &dyn Communicator, k: usize) -> Result<()> {
-        let Some(held) = &self.held else {
+        let Some(mine) = self.held_shard(k)? else {
             return Ok(());
         };
-        let b = &self.layout.buckets[k];
-        // The gathered bucket is a communication buffer; what the variables hold again
-        // is parameters.
-        let comm = switchyard_mem::scope(Category::Comm);
-        let mine = Tensor::from_slice(&held[k], b.shard, &Device::Cpu)?;
-        let full = dp.all_gather(&mine, 0)?;
+        let full = {
+            let _comm = switchyard_mem::scope(Category::Comm);
+            dp.all_gather(&mine, 0)?
+        };
         drop(mine);
-        drop(comm);
+        self.fill(k, &full)
+    }
+
+    /// Stage 3: this replica's shard of bucket `k`'s parameters, as a tensor to
+    /// all-gather (a communication buffer); `None` below stage 3.
+    pub fn held_shard(&self, k: usize) -> Result<Option<Tensor>> {
+        let Some(held) = &self.held else {
+            return Ok(None);
+        };
+        let _comm = switchyard_mem::scope(Category::Comm);
+        let b = &self.layout.buckets[k];
+        Ok(Some(Tensor::from_slice(&held[k], b.shard, &Device::Cpu)?))
+    }
+
+    /// Stage 3: writes bucket `k`'s all-gathered values `full` (every replica's shard,
+    /// in rank order) into the variables.
+    pub fn fill(&self, k: usize, full: &Tensor) -> Result<()> {
+        let b = &self.layout.buckets[k];
         let _parameters = switchyard_mem::scope(Category::Parameters);
-        with_f32_values(&full, |full| -> Result<()> {
+        with_f32_values(full, |full| -> Result<()> {
             for (&i, &o) in b.params.iter().zip(&b.offsets) {
                 let var = self.params[i].as_tensor();
                 let n = var.elem_count();

@@ -28,6 +28,7 @@ use switchyard_comm::Communicator;
 use switchyard_mem::Category;
 use switchyard_pipeline::{SegmentHooks, Stage};
 
+use super::prefetch::{self, Prefetcher};
 use super::{scatter_bucket, ShardedAdamW};
 use crate::error::Result;
 
@@ -115,6 +116,8 @@ pub struct ZeroHooks<'w> {
     pub stages: HashMap<u32, (&'w dyn Stage, Vec<usize>)>,
     /// Per bucket, this replica's shard of the gradients summed so far.
     pub shards: Mutex<Vec<Option<Tensor>>>,
+    /// Stage 3 with prefetching: this step's gathers ahead of use.
+    pub prefetch: Option<Mutex<prefetch::Step<'w>>>,
 }
 
 impl<'w> ZeroHooks<'w> {
@@ -124,7 +127,8 @@ impl<'w> ZeroHooks<'w> {
         dp: &'w dyn Communicator,
         stages: &[(u32, &'w dyn Stage)],
         index: &HashMap<TensorId, usize>,
-    ) -> ZeroHooks<'w> {
+        prefetcher: Option<&'w Prefetcher>,
+    ) -> Result<ZeroHooks<'w>> {
         let stages = stages
             .iter()
             .map(|&(s, st)| {
@@ -132,13 +136,18 @@ impl<'w> ZeroHooks<'w> {
                 (s, (st, idx))
             })
             .collect();
-        ZeroHooks {
+        let prefetch = match prefetcher {
+            Some(p) if opt.held.is_some() => Some(Mutex::new(p.step(opt)?)),
+            _ => None,
+        };
+        Ok(ZeroHooks {
             units,
             opt,
             dp,
             stages,
             shards: Mutex::new(vec![None; units.groups.len()]),
-        }
+            prefetch,
+        })
     }
 
     fn stage3(&self) -> bool {
@@ -155,8 +164,12 @@ impl<'w> ZeroHooks<'w> {
         Ok(())
     }
 
-    /// Every bucket's summed shard (zeros for a bucket no gradient reached).
+    /// Every bucket's summed shard (zeros for a bucket no gradient reached); ends the
+    /// step's prefetching.
     pub fn into_shards(self) -> Result<Vec<Tensor>> {
+        if let Some(p) = self.prefetch {
+            p.into_inner().unwrap_or_else(|e| e.into_inner()).finish()?;
+        }
         let shards = self.shards.into_inner().unwrap_or_else(|e| e.into_inner());
         shards
             .into_iter()
@@ -183,7 +196,14 @@ impl SegmentHooks for ZeroHooks<'_> {
             return Ok(());
         }
         if let Some(&k) = self.units.bucket_of.get(&(stage, segment)) {
-            self.opt.gather(self.dp, k).map_err(hook_err)?;
+            match &self.prefetch {
+                Some(p) => p
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .gather(self.opt, self.dp, k),
+                None => self.opt.gather(self.dp, k),
+            }
+            .map_err(hook_err)?;
         }
         // The fused weights are what the fused ops pack (`other`, as begin_step's).
         let _other = switchyard_mem::scope(Category::Other);

@@ -235,3 +235,46 @@ fn a_layout_that_cannot_run_is_refused() {
     .to_string();
     assert!(e.contains("does not split"), "{e}");
 }
+
+#[test]
+fn zero_three_prefetching_hides_the_gathers_behind_the_compute() {
+    let at = |tm: &TimeModel, zero: u8, prefetch: bool| {
+        let mut c = cfg(2, 1, 1);
+        c.zero = zero;
+        c.zero_prefetch = prefetch;
+        predict_step_time(&c, tm).unwrap().seconds
+    };
+    let m = cfg(2, 1, 1).microbatches as f64;
+    // A replica's compute of one microbatch: half the batch's, over m.
+    let compute = predict_step_time(&cfg(1, 1, 1), &tm()).unwrap().seconds / (2.0 * m);
+    // A slow link (1 s a collective): the whole compute hides that much gathering.
+    let slow = TimeModel {
+        dp_collective: Some(AlphaBeta {
+            alpha_s: 1.0,
+            bytes_per_s: 1e9,
+        }),
+        ..tm()
+    };
+    let hidden = at(&slow, 3, false) - at(&slow, 3, true);
+    assert!(
+        (hidden - m * compute).abs() < 1e-9 * hidden,
+        "{hidden} {compute}"
+    );
+    // A fast one: every gather hides. Each is half an all-reduce of the parameters'
+    // 4 bytes, one piece a segment, before every forward and backward.
+    let fast = TimeModel {
+        dp_collective: Some(AlphaBeta {
+            alpha_s: 0.0,
+            bytes_per_s: 1e13,
+        }),
+        ..tm()
+    };
+    let bytes = 4.0 * GptConfig::tiny(4).param_count() as f64;
+    let gather = bytes / 1e13 / 2.0;
+    assert!(gather < compute / 10.0);
+    let hidden = at(&fast, 3, false) - at(&fast, 3, true);
+    assert!(
+        (hidden - 2.0 * m * gather).abs() < 1e-6 * hidden,
+        "{hidden} {gather}"
+    );
+}

@@ -1,0 +1,222 @@
+//! ZeRO 3's prefetch: the next segment's parameters are all-gathered on a communication
+//! thread while the current segment computes (FSDP's `forward_prefetch` and
+//! `backward_prefetch`, DeepSpeed's `stage3_prefetch_bucket_size`).
+//!
+//! - **Its own group.** The thread all-gathers over a communicator split from the
+//!   data-parallel group for it alone, so its collectives never interleave with the main
+//!   thread's (the gradients' reduce-scatters, the pipeline's tensor-parallel ones).
+//!   Both sequences are the same on every replica, which is all a collective needs.
+//! - **Which segment is next.** The executor acquires the segments of a step in program
+//!   order, the same every step. The first step records the order of the buckets it
+//!   gathers; later steps start the gather of entry `j + 1` as soon as entry `j` is in
+//!   the variables, and the first entry's as the step starts. A step whose order
+//!   differs from the recorded one (it cannot today) drops the prefetched bucket and
+//!   gathers synchronously until the step ends: every replica diverges at the same
+//!   point, so the groups stay matched.
+//! - **Memory.** One bucket is in flight at a time: the gathered next segment, a
+//!   communication buffer charged to the rank's ledger, next to the current segment's
+//!   parameters.
+//! - **No hangs.** A failed gather comes back as the error of the acquire that waits
+//!   for it. A worker that ends with a gather in flight (another rank failed) leaves
+//!   the thread to finish on its own: the failure that ended the worker ends the gather.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+
+use candle_core::Tensor;
+use crossbeam_channel::{bounded, unbounded, Receiver, Sender};
+use switchyard_comm::Communicator;
+use switchyard_mem::Category;
+
+use super::ShardedAdamW;
+use crate::error::{Context, IntoTrainError, Result};
+
+/// A gather for the thread: bucket `k`'s shard, and where to send the result.
+struct Job {
+    shard: Tensor,
+    done: Sender<std::result::Result<Tensor, switchyard_comm::CommError>>,
+}
+
+/// The communication thread of one rank and the order of the buckets it gathers.
+pub struct Prefetcher {
+    /// This rank's global rank, for errors.
+    rank: usize,
+    jobs: Option<Sender<Job>>,
+    thread: Option<JoinHandle<()>>,
+    in_flight: Arc<AtomicUsize>,
+    /// The buckets the last step gathered, in order (empty before the first step).
+    order: Mutex<Vec<usize>>,
+}
+
+impl Prefetcher {
+    /// Splits `dp` for the thread and starts it; its allocations are charged to this
+    /// thread's ledger. Collective over `dp`.
+    pub fn new(dp: &dyn Communicator) -> Result<Prefetcher> {
+        let comm = dp
+            .split_named(0, dp.rank(), "prefetch")
+            .context("ZeRO 3: the prefetch thread's data-parallel group")?;
+        let (jobs, rx) = unbounded::<Job>();
+        let ledger = switchyard_mem::current_ledger();
+        let in_flight = Arc::new(AtomicUsize::new(0));
+        let count = in_flight.clone();
+        let thread = std::thread::Builder::new()
+            .name("switchyard-prefetch".into())
+            .spawn(move || {
+                let _ledger = ledger.map(|l| l.enter());
+                let _comm = switchyard_mem::scope(Category::Comm);
+                for job in rx {
+                    let full = comm.all_gather(&job.shard, 0);
+                    drop(job.shard);
+                    // The acquire that waited may be gone (its rank failed).
+                    let _ = job.done.send(full);
+                    count.fetch_sub(1, Ordering::AcqRel);
+                }
+            })
+            .context("ZeRO 3: starting the prefetch thread")?;
+        Ok(Prefetcher {
+            rank: dp.members()[dp.rank()],
+            jobs: Some(jobs),
+            thread: Some(thread),
+            in_flight,
+            order: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// Starts all-gathering `shard` (bucket `k`'s).
+    fn start(&self, k: usize, shard: Tensor) -> Result<Pending> {
+        let (done, rx) = bounded(1);
+        self.in_flight.fetch_add(1, Ordering::AcqRel);
+        let jobs = self.jobs.as_ref().expect("open until dropped");
+        if jobs.send(Job { shard, done }).is_err() {
+            self.in_flight.fetch_sub(1, Ordering::AcqRel);
+            return Err(ended(self.rank, k));
+        }
+        Ok(Pending {
+            k,
+            rank: self.rank,
+            rx,
+        })
+    }
+
+    /// The state of one step: the order recorded by the last one.
+    pub fn step<'p>(&'p self, opt: &ShardedAdamW) -> Result<Step<'p>> {
+        let expected = self.order.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let mut s = Step {
+            prefetcher: self,
+            expected,
+            seen: Vec::new(),
+            pending: None,
+            diverged: false,
+        };
+        if let Some(&k) = s.expected.first() {
+            s.start(opt, k)?;
+        }
+        Ok(s)
+    }
+}
+
+impl Drop for Prefetcher {
+    fn drop(&mut self) {
+        // Closing the channel ends the thread's loop once it is idle; with a gather in
+        // flight (a failed step) it is left to end when that gather fails.
+        drop(self.jobs.take());
+        if let Some(t) = self.thread.take() {
+            if self.in_flight.load(Ordering::Acquire) == 0 {
+                let _ = t.join();
+            }
+        }
+    }
+}
+
+/// A gather in flight.
+struct Pending {
+    k: usize,
+    rank: usize,
+    rx: Receiver<std::result::Result<Tensor, switchyard_comm::CommError>>,
+}
+
+impl Pending {
+    fn wait(self) -> Result<Tensor> {
+        match self.rx.recv() {
+            Ok(r) => r.with_context(|| format!("ZeRO 3: prefetching bucket {}", self.k)),
+            Err(_) => Err(ended(self.rank, self.k)),
+        }
+    }
+}
+
+/// The thread is gone (it panicked): the gather of bucket `k` will not come.
+fn ended(rank: usize, k: usize) -> crate::TrainError {
+    let e = switchyard_comm::CommError::Backend {
+        op: "all_gather",
+        rank,
+        reason: "the prefetch thread has ended".into(),
+    };
+    crate::TrainError::from(e).into_train_error(format!("ZeRO 3: prefetching bucket {k}"))
+}
+
+/// One step's prefetching (inside [`super::ZeroHooks`]).
+pub struct Step<'p> {
+    prefetcher: &'p Prefetcher,
+    /// The order the last step gathered in.
+    expected: Vec<usize>,
+    /// The buckets this step gathered so far.
+    seen: Vec<usize>,
+    pending: Option<Pending>,
+    /// This step left the expected order: no more prefetching.
+    diverged: bool,
+}
+
+impl Step<'_> {
+    fn start(&mut self, opt: &ShardedAdamW, k: usize) -> Result<()> {
+        if let Some(shard) = opt.held_shard(k)? {
+            self.pending = Some(self.prefetcher.start(k, shard)?);
+        }
+        Ok(())
+    }
+
+    /// Bucket `k`'s parameters into its variables: the prefetched gather when it is
+    /// `k`'s, a gather over `dp` otherwise; then starts the next one's.
+    pub fn gather(&mut self, opt: &ShardedAdamW, dp: &dyn Communicator, k: usize) -> Result<()> {
+        let j = self.seen.len();
+        self.seen.push(k);
+        let prefetched = match self.pending.take() {
+            Some(p) => {
+                let same = p.k == k;
+                let full = p.wait()?;
+                same.then_some(full)
+            }
+            None => None,
+        };
+        match prefetched {
+            Some(full) => {
+                opt.fill(k, &full)?;
+                drop(full);
+            }
+            None => opt.gather(dp, k)?,
+        }
+        if self.expected.get(j) != Some(&k) {
+            self.diverged = true;
+        }
+        if !self.diverged {
+            if let Some(&next) = self.expected.get(j + 1) {
+                self.start(opt, next)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Ends the step: waits for a gather still in flight (none when the order held) and
+    /// records this step's order for the next.
+    pub fn finish(mut self) -> Result<()> {
+        if let Some(p) = self.pending.take() {
+            p.wait()?;
+        }
+        *self
+            .prefetcher
+            .order
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = std::mem::take(&mut self.seen);
+        Ok(())
+    }
+}
