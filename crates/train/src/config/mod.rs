@@ -75,8 +75,8 @@ pub struct TrainConfig<M> {
     pub zero: u8,
     /// ZeRO 3: gather the next segment's parameters on a communication thread while the
     /// current one computes (`true`, the default), or each just before it runs
-    /// ([`crate::zero::Prefetcher`]). Costs one segment's parameters of communication
-    /// buffer.
+    /// ([`crate::zero::Prefetcher`]). Costs one segment's parameters (and this
+    /// replica's shard of them) of communication buffer.
     pub zero_prefetch: bool,
     /// Bound on any single blocking communication, in seconds.
     pub comm_timeout_secs: f64,

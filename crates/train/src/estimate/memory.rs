@@ -296,10 +296,10 @@ pub fn estimate_memory<M: Model>(cfg: &TrainConfig<M>) -> Result<Vec<RankEstimat
             } + scratch(on_pool) * threads.saturating_sub(1),
             scratch: scratch(on_rank),
         };
-        // With prefetching, the next segment's gathered bucket (`comm`) is in flight
-        // while one computes.
+        // With prefetching, the next segment's gathered bucket and this replica's shard
+        // of it, which the thread sends (`comm`), are in flight while one computes.
         let prefetched = match cfg.zero_prefetch {
-            true => ELEM * segment,
+            true => ELEM * (segment + segment.div_ceil(cfg.dp)),
             false => 0,
         };
         let gathered = match zero3 {
