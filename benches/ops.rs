@@ -9,6 +9,8 @@
 //!   head forward, as the model count).
 //! * `block`: the MLP and the attention half of a block, each one fused op as the models
 //!   run them (`ops::mlp`, `ops::attention_block`), in FLOPs.
+//! * `bf16`: the `matmul` products without bias in f32 against bf16 with f32
+//!   accumulation on each bf16 kernel of this CPU (`ops::matmul_bf16_with`).
 //! * `layer_norm`, `cross_entropy` (`[4096, 256]` logits), `gelu`: elements/s.
 //!
 //! Run: `cargo bench --bench ops` (add `-- attention` to filter). `docs/PERFORMANCE.md`
@@ -63,6 +65,45 @@ fn matmul(c: &mut Criterion) {
         g.throughput(Throughput::Elements(3 * flops as u64));
         g.bench_function(format!("{name} forward+backward"), |bch| {
             bch.iter(|| one_thread(|| fwd().unwrap().sum_all().unwrap().backward().unwrap()))
+        });
+    }
+    g.finish();
+}
+
+/// The products of `matmul` without bias, in f32 (`ops::linear`, the fused f32 path)
+/// against bf16 with f32 accumulation (`ops::matmul_bf16`) on each bf16 kernel this CPU
+/// runs (`amx`, `avx512_bf16`, `emulated`), bf16 operands; and the best kernel with f32
+/// operands rounded as they are packed. In FLOPs; compare as ratios to the f32 row.
+fn bf16(c: &mut Criterion) {
+    let mut g = c.benchmark_group("bf16");
+    g.sample_size(10);
+    for (name, k, n) in [
+        ("qkv 256→768", D, 3 * D),
+        ("fc 256→1024", D, 4 * D),
+        ("proj 1024→256", 4 * D, D),
+    ] {
+        let x = var(&[TOKENS, k], 1.0);
+        let w = var(&[n, k], 0.02);
+        let (x16, w16) = (
+            x.as_tensor().to_dtype(DType::BF16).unwrap(),
+            w.as_tensor().to_dtype(DType::BF16).unwrap(),
+        );
+        g.throughput(Throughput::Elements((2 * TOKENS * k * n) as u64));
+        g.bench_function(format!("{name} f32"), |bch| {
+            bch.iter(|| one_thread(|| ops::linear(x.as_tensor(), w.as_tensor(), None).unwrap()))
+        });
+        for kernel in ops::Bf16Kernel::available() {
+            g.bench_function(format!("{name} bf16 {kernel}"), |bch| {
+                bch.iter(|| {
+                    one_thread(|| ops::matmul_bf16_with(&x16, &w16.t().unwrap(), kernel).unwrap())
+                })
+            });
+        }
+        let best = ops::Bf16Kernel::best();
+        g.bench_function(format!("{name} bf16 {best}, f32 operands"), |bch| {
+            bch.iter(|| {
+                one_thread(|| ops::matmul_bf16(x.as_tensor(), &w.as_tensor().t().unwrap()).unwrap())
+            })
         });
     }
     g.finish();
@@ -180,7 +221,7 @@ fn elementwise(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, matmul, attention, block, elementwise);
+criterion_group!(benches, matmul, bf16, attention, block, elementwise);
 
 /// mimalloc reads `MIMALLOC_PURGE_DELAY` when the process starts; `-1` keeps freed memory
 /// in the process, as `switchyard bench` does, so the timings include no page faults of

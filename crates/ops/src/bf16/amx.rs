@@ -1,0 +1,135 @@
+//! The AMX micro-kernel: a 32 × 32 block of `C` in four tile registers.
+//!
+//! Tiles `tmm0`–`tmm3` hold `C`'s four 16 × 16 f32 quarters; per 32 depths, `tmm4` and
+//! `tmm5` take 16 rows × 32 bf16 of `A` each (rows 0–15 and 16–31, straight from the
+//! packed rows, stride `2·Kp` bytes), `tmm6` and `tmm7` the two 1 KiB tiles of the
+//! panel's block of `B` (stride 64 bytes), and four `TDPBF16PS` add their products.
+//! Rust has no stable AMX intrinsics; the kernel is inline assembly, one block for the
+//! whole depth so that the tiles (which the compiler knows nothing of) live in one
+//! `asm!`.
+//!
+//! Linux hands a process the 8 KiB tile state only on request
+//! (`arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`, once for every thread of the
+//! process); until then an AMX instruction faults. [`available`] asks once.
+
+use std::arch::asm;
+use std::sync::OnceLock;
+
+use super::{BLOCK, B_BLOCK};
+
+/// The 64-byte tile configuration `LDTILECFG` reads (palette 1).
+#[repr(C, align(64))]
+struct TileConfig {
+    palette: u8,
+    start_row: u8,
+    reserved: [u8; 14],
+    /// Bytes per row of each tile.
+    colsb: [u16; 16],
+    /// Rows of each tile.
+    rows: [u8; 16],
+}
+
+/// Whether this CPU has AMX-BF16 and the kernel granted this process the tile state.
+pub(super) fn available() -> bool {
+    static OK: OnceLock<bool> = OnceLock::new();
+    *OK.get_or_init(|| {
+        // CPUID leaf 7: EDX bit 22 AMX-BF16, bit 24 AMX-TILE.
+        let l = std::arch::x86_64::__cpuid_count(7, 0);
+        let cpu = (l.edx >> 22) & 1 == 1 && (l.edx >> 24) & 1 == 1;
+        cpu && request_tile_state()
+    })
+}
+
+/// `arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`: 0 when granted.
+fn request_tile_state() -> bool {
+    const SYS_ARCH_PRCTL: i64 = 158;
+    const ARCH_REQ_XCOMP_PERM: u64 = 0x1023;
+    const XFEATURE_XTILEDATA: u64 = 18;
+    let ret: i64;
+    // SAFETY: a plain system call that changes only this process's permission to use
+    // the AMX state; it reads and writes no memory of ours. `syscall` clobbers rcx and
+    // r11, declared below.
+    unsafe {
+        asm!(
+            "syscall",
+            inlateout("rax") SYS_ARCH_PRCTL => ret,
+            in("rdi") ARCH_REQ_XCOMP_PERM,
+            in("rsi") XFEATURE_XTILEDATA,
+            lateout("rcx") _,
+            lateout("r11") _,
+            options(nostack),
+        );
+    }
+    ret == 0
+}
+
+/// `c` (32 × 32, row-major) = 32 packed rows of `A` (`a`, rows of `kp`) times a panel
+/// of packed `B` (`kp / 32` blocks).
+///
+/// # Safety
+/// [`available`] returned true; `a` holds `32 · kp` elements and `panel`
+/// `kp / 32 · B_BLOCK`, `kp` a positive multiple of 32.
+pub(super) unsafe fn block(a: &[u16], kp: usize, panel: &[u16], c: &mut [f32; BLOCK * BLOCK]) {
+    debug_assert!(kp > 0 && kp.is_multiple_of(BLOCK));
+    debug_assert!(a.len() >= BLOCK * kp && panel.len() >= kp / BLOCK * B_BLOCK);
+    let mut cfg = TileConfig {
+        palette: 1,
+        start_row: 0,
+        reserved: [0; 14],
+        colsb: [0; 16],
+        rows: [0; 16],
+    };
+    for t in 0..8 {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = 16;
+    }
+    let (ap, bp, cp) = (a.as_ptr(), panel.as_ptr(), c.as_mut_ptr());
+    // SAFETY: the caller's contract: every tile load reads 16 rows of 64 bytes inside
+    // `a` (rows 0–31, bytes `64·q .. 64·q + 64` of each row for block `q < kp / 32`) or
+    // inside `panel` (block `q`'s two 1 KiB tiles); the stores write the 32 × 32 f32 of
+    // `c` (16 rows of 64 bytes at stride 128, four times). The tile registers are ours
+    // from `ldtilecfg` to `tilerelease`, which leaves them as the OS expects.
+    unsafe {
+        asm!(
+            "ldtilecfg [{cfg}]",
+            "tilezero tmm0",
+            "tilezero tmm1",
+            "tilezero tmm2",
+            "tilezero tmm3",
+            "2:",
+            "tileloadd tmm4, [{a0} + {lda}*1]",
+            "tileloadd tmm5, [{a1} + {lda}*1]",
+            "tileloadd tmm6, [{b0} + {ldb}*1]",
+            "tileloadd tmm7, [{b1} + {ldb}*1]",
+            "tdpbf16ps tmm0, tmm4, tmm6",
+            "tdpbf16ps tmm1, tmm4, tmm7",
+            "tdpbf16ps tmm2, tmm5, tmm6",
+            "tdpbf16ps tmm3, tmm5, tmm7",
+            "add {a0}, 64",
+            "add {a1}, 64",
+            "add {b0}, 2048",
+            "add {b1}, 2048",
+            "dec {n}",
+            "jnz 2b",
+            "tilestored [{c0} + {ldc}*1], tmm0",
+            "tilestored [{c1} + {ldc}*1], tmm1",
+            "tilestored [{c2} + {ldc}*1], tmm2",
+            "tilestored [{c3} + {ldc}*1], tmm3",
+            "tilerelease",
+            cfg = in(reg) &cfg,
+            a0 = inout(reg) ap => _,
+            a1 = inout(reg) ap.add(16 * kp) => _,
+            lda = in(reg) 2 * kp,
+            b0 = inout(reg) bp => _,
+            b1 = inout(reg) bp.add(512) => _,
+            ldb = in(reg) 64usize,
+            n = inout(reg) kp / BLOCK => _,
+            c0 = in(reg) cp,
+            c1 = in(reg) cp.add(16),
+            c2 = in(reg) cp.add(16 * BLOCK),
+            c3 = in(reg) cp.add(16 * BLOCK + 16),
+            ldc = in(reg) 4 * BLOCK,
+            options(nostack),
+        );
+    }
+}

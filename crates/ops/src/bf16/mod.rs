@@ -1,0 +1,447 @@
+//! bf16 matrix products with f32 accumulation: `C = (C or 0) + A·B` for `A` `[m, k]` and
+//! `B` `[k, n]` in bf16 (or f32, rounded to bf16 as they are packed), `C` f32.
+//!
+//! Three kernels, chosen at run time by what the CPU has ([`Bf16Kernel`]):
+//!
+//! * **AMX** (`amx_bf16`, Intel Sapphire Rapids and later, on Linux once the process was
+//!   granted the tile state): `TDPBF16PS` multiplies a 16 × 32 tile of `A` by a 32 × 16
+//!   tile of `B` into a 16 × 16 f32 tile, 8,192 multiply-adds an instruction. The
+//!   micro-kernel keeps a 32 × 32 block of `C` in four tile registers
+//!   ([`amx`](self::amx)).
+//! * **AVX-512 BF16** (`avx512_bf16`, AMD Zen 4, Intel Cooper Lake and Sapphire Rapids):
+//!   `VDPBF16PS` adds the products of 16 pairs of bf16 into 16 f32 lanes; an 8 × 32
+//!   register tile of `C`, like the f32 small kernel in `sgemm.rs`
+//!   ([`dpbf16`](self::dpbf16)).
+//! * **Emulated** (any other CPU, and Miri): the packed operands are widened to f32 and
+//!   multiplied by the f32 product of [`crate::kernel::matmul`]. The same products of
+//!   the same bf16 values, summed in another order.
+//!
+//! Every product of two bf16 values is exact in f32 and every kernel adds them in f32,
+//! so the three agree to f32 rounding (tested), and against an f64 product of the same
+//! bf16 values within `k` f32 roundings.
+//!
+//! **Packing** (one format for both native kernels). `A` is copied into rows of `Kp`
+//! bf16 (`k` rounded up to 32, zero-padded), `Mp` rows (`m` rounded up to 32). `B` is
+//! cut into panels of 32 columns and blocks of 32 depths; each block is two 1 KiB tiles
+//! (columns 0–15 and 16–31), row `r` of a tile holding the pairs `B[2r][c], B[2r+1][c]`
+//! of its 16 columns: the "VNNI" layout AMX's `B` tiles take, and whose rows are the
+//! 16-lane vectors `VDPBF16PS` takes. Packing costs `m·k + k·n` element copies against
+//! `m·n·k` multiply-adds.
+//!
+//! **Blocking.** The rows of `A` are taken `MC` at a time (about 256 KiB of packed `A`,
+//! which stays in L2), and for each such block every panel of `B` (`Kp × 32` bf16) in
+//! turn; blocks of rows are split over the current rayon pool's threads, each writing
+//! its own rows of `C`.
+
+use std::sync::OnceLock;
+
+use half::bf16;
+use rayon::prelude::*;
+
+use crate::kernel::{Dst, Mat, SharedMut, Uninit};
+
+#[cfg(all(target_arch = "x86_64", target_os = "linux", not(miri)))]
+mod amx;
+#[cfg(all(target_arch = "x86_64", not(miri)))]
+mod dpbf16;
+#[cfg(test)]
+mod tests;
+
+/// Which kernel multiplies bf16 on this CPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Bf16Kernel {
+    /// AMX tiles (`TDPBF16PS`).
+    Amx,
+    /// AVX-512 BF16 (`VDPBF16PS`).
+    Avx512Bf16,
+    /// Widened to f32 and multiplied by the f32 kernels: correct, not faster.
+    Emulated,
+}
+
+impl Bf16Kernel {
+    /// The fastest kernel this CPU (and OS) runs.
+    pub fn best() -> Bf16Kernel {
+        static BEST: OnceLock<Bf16Kernel> = OnceLock::new();
+        *BEST.get_or_init(|| {
+            let all = Bf16Kernel::available();
+            all[0]
+        })
+    }
+
+    /// Every kernel this CPU runs, fastest first (always ending with `Emulated`).
+    pub fn available() -> Vec<Bf16Kernel> {
+        let mut all = Vec::new();
+        #[cfg(all(target_arch = "x86_64", target_os = "linux", not(miri)))]
+        if amx::available() {
+            all.push(Bf16Kernel::Amx);
+        }
+        #[cfg(all(target_arch = "x86_64", not(miri)))]
+        if dpbf16::available() {
+            all.push(Bf16Kernel::Avx512Bf16);
+        }
+        all.push(Bf16Kernel::Emulated);
+        all
+    }
+
+    /// Whether the CPU multiplies bf16 natively (the report says "emulated" otherwise).
+    pub fn is_native(self) -> bool {
+        self != Bf16Kernel::Emulated
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Bf16Kernel::Amx => "amx",
+            Bf16Kernel::Avx512Bf16 => "avx512_bf16",
+            Bf16Kernel::Emulated => "emulated",
+        }
+    }
+}
+
+impl std::fmt::Display for Bf16Kernel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// An element a bf16 product reads: bf16 itself, or f32 rounded to the nearest bf16
+/// (ties to even) as it is packed.
+pub(crate) trait ToBf16: Copy + Send + Sync {
+    fn bits(self) -> u16;
+}
+
+impl ToBf16 for bf16 {
+    fn bits(self) -> u16 {
+        self.to_bits()
+    }
+}
+
+impl ToBf16 for f32 {
+    fn bits(self) -> u16 {
+        bf16::from_f32(self).to_bits()
+    }
+}
+
+/// The depth, rows and columns of the blocks the kernels work on.
+pub(crate) const BLOCK: usize = 32;
+
+fn round_up(x: usize) -> usize {
+    x.div_ceil(BLOCK) * BLOCK
+}
+
+/// `a` (`m × k`) packed: `Mp` rows of `Kp` bf16 bits, zero-padded.
+pub(crate) struct PackedA {
+    pub(crate) data: Vec<u16>,
+    /// `Kp`: the row length.
+    pub(crate) kp: usize,
+}
+
+pub(crate) fn pack_a<T: ToBf16>(a: Mat<T>, m: usize, k: usize) -> PackedA {
+    let (mp, kp) = (round_up(m), round_up(k));
+    let mut data = vec![0u16; mp * kp];
+    // Read the source along its unit stride.
+    match a.cs <= a.rs {
+        true => {
+            for (i, row) in data.chunks_exact_mut(kp).take(m).enumerate() {
+                for (p, x) in row[..k].iter_mut().enumerate() {
+                    *x = a.data[i * a.rs + p * a.cs].bits();
+                }
+            }
+        }
+        false => {
+            for p in 0..k {
+                for i in 0..m {
+                    data[i * kp + p] = a.data[i * a.rs + p * a.cs].bits();
+                }
+            }
+        }
+    }
+    PackedA { data, kp }
+}
+
+/// `b` (`k × n`) packed in panels of 32 columns and blocks of 32 depths, each block two
+/// 16-column tiles of 16 pair-rows (see the module docs).
+pub(crate) struct PackedB {
+    pub(crate) data: Vec<u16>,
+    /// Blocks of 32 depths per panel: `Kp / 32`.
+    pub(crate) kb: usize,
+}
+
+/// u16s in one 32 × 32 block of packed `B` (two 16 × 32 tiles).
+pub(crate) const B_BLOCK: usize = BLOCK * BLOCK;
+
+pub(crate) fn pack_b<T: ToBf16>(b: Mat<T>, k: usize, n: usize) -> PackedB {
+    let (kp, np) = (round_up(k), round_up(n));
+    let kb = kp / BLOCK;
+    let mut data = vec![0u16; kp * np];
+    // Read the source along its unit stride (a weight stored `[out, in]` is `B`
+    // transposed).
+    match b.cs <= b.rs {
+        true => {
+            for p in 0..k {
+                for c in 0..n {
+                    data[b_index(kb, p, c)] = b.data[p * b.rs + c * b.cs].bits();
+                }
+            }
+        }
+        false => {
+            for c in 0..n {
+                for p in 0..k {
+                    data[b_index(kb, p, c)] = b.data[p * b.rs + c * b.cs].bits();
+                }
+            }
+        }
+    }
+    PackedB { data, kb }
+}
+
+/// Where `B[p][c]` goes in packed `B` of `kb` depth blocks per panel.
+#[inline]
+pub(crate) fn b_index(kb: usize, p: usize, c: usize) -> usize {
+    let (block, pair, e) = (p / BLOCK, (p % BLOCK) / 2, p % 2);
+    let (panel, half, col) = (c / BLOCK, (c % BLOCK) / 16, c % 16);
+    (panel * kb + block) * B_BLOCK + half * 512 + pair * 32 + col * 2 + e
+}
+
+/// Rows of `A` per task: about 256 KiB of packed `A`, a multiple of 32.
+fn rows_per_block(kp: usize) -> usize {
+    ((256 * 1024 / (2 * kp.max(1))) / BLOCK).max(1) * BLOCK
+}
+
+/// `dst[m×n] = (Add ? dst : 0) + a · b` in f32 from bf16 operands (f32 ones are rounded
+/// to bf16), with `kernel`; `dst` row-major of row stride `ld`, written whole (it may
+/// start uninitialised) or accumulated onto.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn gemm<A: ToBf16, B: ToBf16>(
+    kernel: Bf16Kernel,
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: Dst<f32>,
+    ld: usize,
+    a: Mat<A>,
+    b: Mat<B>,
+) {
+    let (ptr, len, accumulate) = match dst {
+        Dst::Uninit(d) => (d.as_mut_ptr().cast::<f32>(), d.len(), false),
+        Dst::Set(d) => (d.as_mut_ptr(), d.len(), false),
+        Dst::Add(d) => (d.as_mut_ptr(), d.len(), true),
+    };
+    assert!(
+        m == 0 || n == 0 || ((m - 1) * ld + n <= len && n <= ld),
+        "bf16 gemm: destination out of bounds"
+    );
+    assert!(
+        fits(&a, m, k) && fits(&b, k, n),
+        "bf16 gemm: operands out of bounds"
+    );
+    if m == 0 || n == 0 {
+        return;
+    }
+    let out = SharedMut(ptr);
+    // Row `r`, columns `j..j + w` of the destination.
+    let row = |r: usize, j: usize, w: usize| -> *mut f32 {
+        debug_assert!(r < m && j + w <= n);
+        // SAFETY: `r < m`, `j + w ≤ n ≤ ld`: inside the destination checked above.
+        unsafe { out.ptr().add(r * ld + j) }
+    };
+    if k == 0 {
+        // An empty sum; the kernels need at least one block of depth.
+        if !accumulate {
+            for r in 0..m {
+                // SAFETY: `n` elements of row `r` (see `row`), exclusively borrowed.
+                unsafe { std::ptr::write_bytes(row(r, 0, n), 0, n) };
+            }
+        }
+        return;
+    }
+    let pa = pack_a(a, m, k);
+    let pb = pack_b(b, k, n);
+    if kernel == Bf16Kernel::Emulated {
+        // SAFETY: the destination's bounds were checked above; it is exclusively
+        // borrowed (it overlaps neither packed operand) and with `Add` initialised.
+        return unsafe { emulated(&pa, &pb, m, n, k, ptr, ld, accumulate) };
+    }
+    let mc = rows_per_block(pa.kp);
+    let blocks = m.div_ceil(mc);
+    let run = |t: usize| {
+        let rows = t * mc..((t + 1) * mc).min(m);
+        let mut c = [0f32; BLOCK * BLOCK];
+        for j in (0..n).step_by(BLOCK) {
+            let panel = &pb.data[(j / BLOCK) * pb.kb * B_BLOCK..][..pb.kb * B_BLOCK];
+            for i in rows.clone().step_by(BLOCK) {
+                let a_rows = &pa.data[i * pa.kp..][..BLOCK * pa.kp];
+                block(kernel, a_rows, pa.kp, panel, &mut c);
+                let (h, w) = ((m - i).min(BLOCK), (n - j).min(BLOCK));
+                for r in 0..h {
+                    let (d, s) = (row(i + r, j, w), &c[r * BLOCK..r * BLOCK + w]);
+                    // SAFETY: `w` elements of a row of this task's rows (see `row`); no
+                    // other task writes them, nothing reads the destination until all
+                    // tasks are done, and with `Add` they are initialised.
+                    unsafe {
+                        match accumulate {
+                            true => {
+                                for (x, &v) in s.iter().enumerate() {
+                                    *d.add(x) += v;
+                                }
+                            }
+                            false => std::ptr::copy_nonoverlapping(s.as_ptr(), d, w),
+                        }
+                    }
+                }
+            }
+        }
+    };
+    if blocks > 1 && rayon::current_num_threads() > 1 {
+        (0..blocks).into_par_iter().for_each(run);
+    } else {
+        (0..blocks).for_each(run);
+    }
+}
+
+fn fits<T>(x: &Mat<T>, rows: usize, cols: usize) -> bool {
+    rows == 0 || cols == 0 || (rows - 1) * x.rs + (cols - 1) * x.cs < x.data.len()
+}
+
+/// One 32 × 32 block of `C` (`c`, row-major) = 32 packed rows of `A` times one panel.
+fn block(kernel: Bf16Kernel, a: &[u16], kp: usize, panel: &[u16], c: &mut [f32; BLOCK * BLOCK]) {
+    debug_assert_eq!(a.len(), BLOCK * kp);
+    debug_assert_eq!(panel.len(), kp / BLOCK * B_BLOCK);
+    match kernel {
+        #[cfg(all(target_arch = "x86_64", target_os = "linux", not(miri)))]
+        // SAFETY: `Amx` is only offered when the CPU has AMX-BF16 and the OS granted the
+        // tile state (`amx::available`); the slices hold the 32 rows of `kp` and the
+        // `kp / 32` blocks the kernel reads (asserted above in debug builds, by
+        // construction in `gemm`).
+        Bf16Kernel::Amx => unsafe { amx::block(a, kp, panel, c) },
+        #[cfg(all(target_arch = "x86_64", not(miri)))]
+        // SAFETY: `Avx512Bf16` is only offered when the CPU has AVX-512 F and BF16
+        // (`dpbf16::available`); the operands' sizes as above.
+        Bf16Kernel::Avx512Bf16 => unsafe { dpbf16::block(a, kp, panel, c) },
+        _ => unreachable!("{kernel} is not available on this CPU"),
+    }
+}
+
+/// The emulated kernel: the packed operands widened to f32, multiplied in f32.
+///
+/// # Safety
+/// As [`crate::kernel::matmul_raw`]'s destination: `dst + r·ld + c` for `r < m`, `c < n`
+/// (`n ≤ ld`) is valid for writes (and reads, initialised, when `accumulate`), and
+/// nothing else accesses it during the call.
+#[allow(clippy::too_many_arguments)]
+unsafe fn emulated(
+    pa: &PackedA,
+    pb: &PackedB,
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut f32,
+    ld: usize,
+    accumulate: bool,
+) {
+    let widen = |x: u16| bf16::from_bits(x).to_f32();
+    let a: Vec<f32> = pa.data[..m * pa.kp].iter().map(|&x| widen(x)).collect();
+    let mut b = vec![0f32; k * n];
+    for (p, row) in b.chunks_exact_mut(n).enumerate() {
+        for (c, x) in row.iter_mut().enumerate() {
+            *x = widen(pb.data[b_index(pb.kb, p, c)]);
+        }
+    }
+    let (a, b) = (Mat::rows(&a, pa.kp), Mat::rows(&b, n));
+    // SAFETY: the caller's contract on `dst`; `a` and `b` are this function's own.
+    unsafe { crate::kernel::matmul_raw(m, n, k, dst, ld, accumulate, a, b, true) }
+}
+
+/// `a · b` with bf16 multiplications and f32 accumulation, on [`Bf16Kernel::best`]: `a`
+/// `[m, k]` and `b` `[k, n]`, each bf16 or f32 (rounded to the nearest bf16), any
+/// strides (a transposed weight, `w.t()`, is read in place); an f32 `[m, n]`. CPU
+/// tensors only. No backward: a building block of the bf16 paths of the fused ops.
+pub fn matmul_bf16(
+    a: &candle_core::Tensor,
+    b: &candle_core::Tensor,
+) -> candle_core::Result<candle_core::Tensor> {
+    matmul_bf16_with(a, b, Bf16Kernel::best())
+}
+
+/// [`matmul_bf16`] on a given kernel (one of [`Bf16Kernel::available`]), to compare
+/// them.
+pub fn matmul_bf16_with(
+    a: &candle_core::Tensor,
+    b: &candle_core::Tensor,
+    kernel: Bf16Kernel,
+) -> candle_core::Result<candle_core::Tensor> {
+    use candle_core::{bail, DType};
+    if !Bf16Kernel::available().contains(&kernel) {
+        bail!("matmul_bf16: the {kernel} kernel does not run on this CPU");
+    }
+    let ((m, k), (k2, n)) = (a.dims2()?, b.dims2()?);
+    if k != k2 {
+        bail!("matmul_bf16: [{m}, {k}] · [{k2}, {n}]: the inner dims differ");
+    }
+    for t in [a, b] {
+        if !matches!(t.dtype(), DType::BF16 | DType::F32) || !t.device().is_cpu() {
+            bail!(
+                "matmul_bf16: a {:?} tensor on {:?}; bf16 or f32 CPU tensors expected",
+                t.dtype(),
+                t.device().location()
+            );
+        }
+    }
+    let mut out = Uninit::<f32>::new(m * n)?;
+    let (sa, la) = a.storage_and_layout();
+    let (sb, lb) = b.storage_and_layout();
+    let (x, y) = (operand(&sa, la)?, operand(&sb, lb)?);
+    macro_rules! go {
+        ($a:expr, $b:expr) => {
+            gemm(
+                kernel,
+                m,
+                n,
+                k,
+                Dst::Uninit(out.as_mut()),
+                n,
+                Mat {
+                    data: $a,
+                    rs: x.1,
+                    cs: x.2,
+                },
+                Mat {
+                    data: $b,
+                    rs: y.1,
+                    cs: y.2,
+                },
+            )
+        };
+    }
+    match (x.0, y.0) {
+        (Operand::Bf16(a), Operand::Bf16(b)) => go!(a, b),
+        (Operand::Bf16(a), Operand::F32(b)) => go!(a, b),
+        (Operand::F32(a), Operand::Bf16(b)) => go!(a, b),
+        (Operand::F32(a), Operand::F32(b)) => go!(a, b),
+    }
+    drop((sa, sb));
+    // SAFETY: `gemm` wrote every one of the `m·n` elements (`Dst::Uninit`, row stride n).
+    let out = unsafe { out.assume_init() };
+    candle_core::Tensor::from_vec(out, (m, n), &candle_core::Device::Cpu)
+}
+
+/// A bf16 or f32 CPU tensor's elements from its start, and its two strides.
+fn operand<'s>(
+    s: &'s candle_core::Storage,
+    l: &candle_core::Layout,
+) -> candle_core::Result<(Operand<'s>, usize, usize)> {
+    use candle_core::{CpuStorage, Storage};
+    let (rs, cs) = (l.stride()[0], l.stride()[1]);
+    let o = l.start_offset();
+    match s {
+        Storage::Cpu(CpuStorage::BF16(v)) => Ok((Operand::Bf16(&v[o..]), rs, cs)),
+        Storage::Cpu(CpuStorage::F32(v)) => Ok((Operand::F32(&v[o..]), rs, cs)),
+        _ => candle_core::bail!("matmul_bf16: bf16 or f32 CPU tensors expected"),
+    }
+}
+
+/// A tensor's elements as a bf16 product reads them.
+#[derive(Clone, Copy)]
+enum Operand<'a> {
+    Bf16(&'a [bf16]),
+    F32(&'a [f32]),
+}

@@ -1,0 +1,223 @@
+//! Every kernel this CPU runs against an f64 product of the same bf16 values.
+
+use half::bf16;
+
+use super::*;
+use crate::kernel::{test_data, Dst};
+
+/// The shapes: edges of the 32-blocks, a single row, column and depth, and (not under
+/// Miri, which interprets slowly) blocks of rows larger than one task's.
+fn shapes() -> Vec<(usize, usize, usize)> {
+    if cfg!(miri) {
+        return vec![(1, 1, 1), (5, 17, 31), (3, 33, 40)];
+    }
+    vec![
+        (1, 1, 1),
+        (5, 17, 31),
+        (33, 32, 33),
+        (32, 45, 64),
+        (3, 70, 100),
+        (70, 33, 129),
+        (300, 96, 520),
+        (64, 64, 2048),
+    ]
+}
+
+fn round(x: &[f64]) -> Vec<bf16> {
+    x.iter().map(|&v| bf16::from_f64(v)).collect()
+}
+
+/// `Σ_p a[i][p] · b[p][j]` in f64, and `Σ |a[i][p] · b[p][j]|` (the scale of its
+/// rounding errors).
+fn reference(a: Mat<bf16>, b: Mat<bf16>, m: usize, n: usize, k: usize) -> Vec<(f64, f64)> {
+    let mut out = Vec::with_capacity(m * n);
+    for i in 0..m {
+        for j in 0..n {
+            let (mut s, mut abs) = (0f64, 0f64);
+            for p in 0..k {
+                let x = a.data[i * a.rs + p * a.cs].to_f64() * b.data[p * b.rs + j * b.cs].to_f64();
+                s += x;
+                abs += x.abs();
+            }
+            out.push((s, abs));
+        }
+    }
+    out
+}
+
+#[test]
+fn every_kernel_is_the_product_of_the_bf16_values_summed_in_f32() {
+    let kernels = Bf16Kernel::available();
+    assert_eq!(kernels.last(), Some(&Bf16Kernel::Emulated));
+    for (m, n, k) in shapes() {
+        let a = round(&test_data(m * k, 1, 2.0));
+        let b = round(&test_data(k * n, 2, 2.0));
+        let (bt_data, at_data) = (transpose(&b, k, n), transpose(&a, m, k));
+        // Row-major, and each operand transposed (a weight stored [out, in]).
+        let layouts = [
+            (Mat::rows(&a, k), Mat::rows(&b, n), "a · b"),
+            (Mat::rows(&at_data, m).t(), Mat::rows(&b, n), "(aᵀ)ᵀ · b"),
+            (Mat::rows(&a, k), Mat::rows(&bt_data, k).t(), "a · (bᵀ)ᵀ"),
+        ];
+        for (am, bm, form) in layouts {
+            let want = reference(am, bm, m, n, k);
+            for &kernel in &kernels {
+                for accumulate in [false, true] {
+                    let ld = n + 3;
+                    let start = test_data(m * ld, 3, 1.0);
+                    let mut dst: Vec<f32> = start.iter().map(|&x| x as f32).collect();
+                    let d = match accumulate {
+                        true => Dst::Add(&mut dst),
+                        false => Dst::Set(&mut dst),
+                    };
+                    gemm(kernel, m, n, k, d, ld, am, bm);
+                    for i in 0..m {
+                        for j in 0..ld {
+                            let got = dst[i * ld + j] as f64;
+                            let before = start[i * ld + j] as f32 as f64;
+                            if j >= n {
+                                assert_eq!(got, before, "{kernel} {form}: padding written");
+                                continue;
+                            }
+                            let (s, abs) = want[i * n + j];
+                            let s = if accumulate { s + before } else { s };
+                            let tol = (k as f64 + 2.0) * f32::EPSILON as f64 * (abs + before.abs());
+                            assert!(
+                                (got - s).abs() <= tol + 1e-30,
+                                "{kernel} {form} m {m} n {n} k {k} acc {accumulate} ({i}, {j}): \
+                                 {got} against {s} (tolerance {tol})"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn an_empty_depth_is_an_empty_sum() {
+    for kernel in Bf16Kernel::available() {
+        let mut dst = vec![7f32; 6];
+        let empty: [bf16; 0] = [];
+        let (a, b) = (Mat::rows(&empty, 0), Mat::rows(&empty, 3));
+        gemm(kernel, 2, 3, 0, Dst::Add(&mut dst), 3, a, b);
+        assert_eq!(dst, [7.0; 6], "{kernel}");
+        gemm(kernel, 2, 3, 0, Dst::Set(&mut dst), 3, a, b);
+        assert_eq!(dst, [0.0; 6], "{kernel}");
+    }
+}
+
+#[test]
+fn f32_operands_are_rounded_to_the_nearest_bf16() {
+    let (m, n, k) = (9, 40, 37);
+    let a = test_data(m * k, 4, 1.0);
+    let b = test_data(k * n, 5, 1.0);
+    let a32: Vec<f32> = a.iter().map(|&x| x as f32).collect();
+    let b32: Vec<f32> = b.iter().map(|&x| x as f32).collect();
+    let a16: Vec<bf16> = a32.iter().map(|&x| bf16::from_f32(x)).collect();
+    let b16: Vec<bf16> = b32.iter().map(|&x| bf16::from_f32(x)).collect();
+    for kernel in Bf16Kernel::available() {
+        let mut x = vec![0f32; m * n];
+        let mut y = vec![0f32; m * n];
+        gemm(
+            kernel,
+            m,
+            n,
+            k,
+            Dst::Set(&mut x),
+            n,
+            Mat::rows(&a32, k),
+            Mat::rows(&b32, n),
+        );
+        gemm(
+            kernel,
+            m,
+            n,
+            k,
+            Dst::Set(&mut y),
+            n,
+            Mat::rows(&a16, k),
+            Mat::rows(&b16, n),
+        );
+        assert_eq!(x, y, "{kernel}");
+    }
+    // Ties go to even: 1 + 2⁻⁸ is halfway between 1 and 1 + 2⁻⁷.
+    assert_eq!(1.0f32 + 1.0 / 256.0, f32::from_bits(0x3f80_8000));
+    assert_eq!(ToBf16::bits(1.0f32 + 1.0 / 256.0), 0x3f80);
+    assert_eq!(ToBf16::bits(1.0f32 + 3.0 / 256.0), 0x3f82);
+}
+
+#[test]
+fn the_packed_b_block_is_the_vnni_layout() {
+    // B[p][c] = 1000·p + c, k = 40, n = 35: two depth blocks, two panels.
+    let (k, n) = (40, 35);
+    let b: Vec<f32> = (0..k * n)
+        .map(|i| (1000 * (i / n) + i % n) as f32)
+        .collect();
+    let b16: Vec<bf16> = b.iter().map(|&x| bf16::from_f32(x)).collect();
+    let pb = pack_b(Mat::rows(&b16, n), k, n);
+    assert_eq!((pb.kb, pb.data.len()), (2, 64 * 64));
+    let at = |panel: usize, block: usize, half: usize, row: usize, col: usize, e: usize| {
+        bf16::from_bits(
+            pb.data[(panel * 2 + block) * B_BLOCK + half * 512 + row * 32 + col * 2 + e],
+        )
+    };
+    // Read in place from the transpose: the same packing.
+    let bt = transpose(&b16, k, n);
+    assert_eq!(pack_b(Mat::rows(&bt, k).t(), k, n).data, pb.data);
+    // Depths 34 and 35 (block 1, pair-row 1) of column 16 + 3 (panel 0, second tile).
+    assert_eq!(at(0, 1, 1, 1, 3, 0), bf16::from_f32(34_019.0));
+    assert_eq!(at(0, 1, 1, 1, 3, 1), bf16::from_f32(35_019.0));
+    // Column 33 (panel 1, first tile, column 1), depth 0; depth 40 and beyond are zero.
+    assert_eq!(at(1, 0, 0, 0, 1, 0), bf16::from_f32(33.0));
+    assert_eq!(at(1, 1, 0, 4, 1, 0), bf16::ZERO);
+    // Column 35 and beyond are zero.
+    assert_eq!(at(1, 0, 0, 0, 3, 0), bf16::ZERO);
+}
+
+fn transpose<T: Copy>(x: &[T], rows: usize, cols: usize) -> Vec<T> {
+    (0..cols * rows)
+        .map(|i| x[(i % rows) * cols + i / rows])
+        .collect()
+}
+
+#[test]
+#[cfg_attr(miri, ignore = "candle's own matmul, the reference here, reads /sys")]
+fn the_tensor_op_reads_any_strides_and_refuses_other_dtypes() -> candle_core::Result<()> {
+    use candle_core::{DType, Device, Tensor};
+    let dev = Device::Cpu;
+    let x = Tensor::new(test_data(6 * 40, 6, 1.0).as_slice(), &dev)?
+        .reshape((6, 40))?
+        .to_dtype(DType::F32)?;
+    // A weight stored [out, in], used transposed as in a linear layer.
+    let w = Tensor::new(test_data(20 * 40, 7, 1.0).as_slice(), &dev)?
+        .reshape((20, 40))?
+        .to_dtype(DType::BF16)?;
+    let want = x
+        .to_dtype(DType::BF16)?
+        .to_dtype(DType::F32)?
+        .matmul(&w.to_dtype(DType::F32)?.t()?)?;
+    for kernel in Bf16Kernel::available() {
+        let got = matmul_bf16_with(&x, &w.t()?, kernel)?;
+        let diff = (got - &want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert!(diff < 1e-5, "{kernel}: {diff}");
+    }
+    let e = matmul_bf16(&x.to_dtype(DType::F64)?, &w.t()?).unwrap_err();
+    assert!(e.to_string().contains("bf16 or f32 CPU tensors"), "{e}");
+    let e = matmul_bf16(&x, &w).unwrap_err();
+    assert!(e.to_string().contains("inner dims differ"), "{e}");
+    Ok(())
+}
+
+#[test]
+fn this_cpu_offers_its_native_kernels() {
+    let all = Bf16Kernel::available();
+    eprintln!("bf16 kernels on this CPU: {all:?}");
+    #[cfg(all(target_arch = "x86_64", not(miri)))]
+    if std::is_x86_feature_detected!("avx512bf16") && std::is_x86_feature_detected!("avx512f") {
+        assert!(all.contains(&Bf16Kernel::Avx512Bf16));
+    }
+    assert_eq!(Bf16Kernel::best(), all[0]);
+    assert_eq!(Bf16Kernel::best().is_native(), all.len() > 1);
+}
