@@ -296,10 +296,11 @@ pub fn estimate_memory<M: Model>(cfg: &TrainConfig<M>) -> Result<Vec<RankEstimat
             } + scratch(on_pool) * threads.saturating_sub(1),
             scratch: scratch(on_rank),
         };
-        // With prefetching, the next segment's gathered bucket and this replica's shard
-        // of it, which the thread sends (`comm`), are in flight while one computes.
+        // With prefetching, the next segment's gathered bucket (`comm`) is in flight
+        // while one computes. This replica's shard of it, which the thread sends, lives
+        // only until the gather is done, and is not counted (at 1/dp of a segment).
         let prefetched = match cfg.zero_prefetch {
-            true => ELEM * (segment + segment.div_ceil(cfg.dp)),
+            true => ELEM * segment,
             false => 0,
         };
         let gathered = match zero3 {
