@@ -99,6 +99,37 @@ fn bf16(c: &mut Criterion) {
                 })
             });
         }
+        // The whole op, forward and backward: f32 `linear` against `linear_bf16` (a bf16
+        // input and output, the f32 master weight rounded while packing).
+        let x16 = Var::from_tensor(&x16).unwrap();
+        g.throughput(Throughput::Elements(3 * (2 * TOKENS * k * n) as u64));
+        g.bench_function(format!("{name} linear f32 forward+backward"), |bch| {
+            bch.iter(|| {
+                one_thread(|| {
+                    let y = ops::linear(x.as_tensor(), w.as_tensor(), None).unwrap();
+                    y.sum_all().unwrap().backward().unwrap()
+                })
+            })
+        });
+        g.bench_function(format!("{name} linear_bf16 forward+backward"), |bch| {
+            bch.iter(|| {
+                one_thread(|| {
+                    let y = ops::linear_bf16(x16.as_tensor(), w.as_tensor(), None).unwrap();
+                    y.sum_all().unwrap().backward().unwrap()
+                })
+            })
+        });
+        // What candle's own bf16 ops add around the op above: the loss (a sum) and its
+        // gradient (zeros, an add, a broadcast) on a `[4096, n]` bf16 tensor.
+        let y16 = Var::from_tensor(&Tensor::zeros((TOKENS, n), DType::BF16, &Device::Cpu).unwrap())
+            .unwrap();
+        g.bench_function(
+            format!("{name} candle bf16 sum+backward of the output"),
+            |bch| {
+                bch.iter(|| one_thread(|| y16.as_tensor().sum_all().unwrap().backward().unwrap()))
+            },
+        );
+        g.throughput(Throughput::Elements((2 * TOKENS * k * n) as u64));
         let best = ops::Bf16Kernel::best();
         g.bench_function(format!("{name} bf16 {best}, f32 operands"), |bch| {
             bch.iter(|| {

@@ -20,7 +20,8 @@
 //! | [`causal_attention_packed`] | the same on a fused `[B, T, 3·H·hd]` qkv projection, giving `[B, T, H·hd]` |
 //! | [`cross_entropy`] | `mean_i (logsumexp(z_i) − z_i[t_i])` |
 //! | [`cross_entropy_parallel`] | the same over a vocabulary-parallel slice of the logits |
-//! | [`matmul_bf16`] | `a · b` with bf16 products and f32 sums (AMX, AVX-512 BF16 or emulated; see [`Bf16Kernel`]); no backward yet |
+//! | [`matmul_bf16`] | `a · b` with bf16 products and f32 sums (AMX, AVX-512 BF16 or emulated; see [`Bf16Kernel`]); no backward |
+//! | [`linear_bf16`] | `x · wᵀ + b` with bf16 products, f32 sums, an f32 master weight and a bf16 output; with its backward |
 //!
 //! ## Every device: fused kernels and composed twins
 //!
@@ -100,7 +101,7 @@ mod twins;
 
 pub use attention::{causal_attention_packed, causal_self_attention};
 pub use backend::{OpsBackend, ParseOpsBackendError};
-pub use bf16::{matmul_bf16, matmul_bf16_with, Bf16Kernel};
+pub use bf16::{linear_bf16, linear_bf16_on, matmul_bf16, matmul_bf16_with, Bf16Kernel};
 pub use gelu::gelu;
 pub use kernel::product_path;
 pub use linear::{linear, linear_gelu, linear_with, LinearOptions, Reduce};

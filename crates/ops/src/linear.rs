@@ -66,24 +66,7 @@ pub fn linear_with(
     b: Option<&Tensor>,
     opts: &LinearOptions,
 ) -> Result<Tensor> {
-    let (out_f, in_f) = match w.dims() {
-        &[o, i] => (o, i),
-        d => bail!("linear: the weight must have shape [out, in], got {d:?}"),
-    };
-    if !(2..=3).contains(&x.rank()) || x.dim(D::Minus1)? != in_f {
-        bail!(
-            "linear: the input must have shape [N, {in_f}] or [B, T, {in_f}] for a weight [{out_f}, {in_f}], got {:?}",
-            x.dims()
-        );
-    }
-    if let Some(b) = b {
-        if b.dims() != [out_f] {
-            bail!(
-                "linear: the bias must have shape [{out_f}], got {:?}",
-                b.dims()
-            );
-        }
-    }
+    check_shapes("linear", x, w, b)?;
     if !opts.backend.fuses(x) {
         return composed::linear_with(x, w, b, opts);
     }
@@ -96,6 +79,35 @@ pub fn linear_with(
         Some(b) => x.apply_op3(&w, &b.contiguous()?, op),
         None => x.apply_op2(&w, op),
     }
+}
+
+/// `(out, in)` of a linear layer's weight `w` `[out, in]`, after checking that `x` is
+/// `[N, in]` or `[B, T, in]` and the bias `[out]`; errors name `op`.
+pub(crate) fn check_shapes(
+    op: &str,
+    x: &Tensor,
+    w: &Tensor,
+    b: Option<&Tensor>,
+) -> Result<(usize, usize)> {
+    let (out_f, in_f) = match w.dims() {
+        &[o, i] => (o, i),
+        d => bail!("{op}: the weight must have shape [out, in], got {d:?}"),
+    };
+    if !(2..=3).contains(&x.rank()) || x.dim(D::Minus1)? != in_f {
+        bail!(
+            "{op}: the input must have shape [N, {in_f}] or [B, T, {in_f}] for a weight [{out_f}, {in_f}], got {:?}",
+            x.dims()
+        );
+    }
+    if let Some(b) = b {
+        if b.dims() != [out_f] {
+            bail!(
+                "{op}: the bias must have shape [{out_f}], got {:?}",
+                b.dims()
+            );
+        }
+    }
+    Ok((out_f, in_f))
 }
 
 struct Linear {

@@ -63,14 +63,24 @@ fn request_tile_state() -> bool {
     ret == 0
 }
 
-/// `c` (32 × 32, row-major) = 32 packed rows of `A` (`a`, rows of `kp`) times a panel
-/// of packed `B` (`kp / 32` blocks).
+/// `C[32 × 32] = (C or 0) + A · B` for 32 packed rows of `A` (`a`, rows of `kp`) and a
+/// panel of packed `B` (`kp / 32` blocks); `C` row-major at `c` with row stride `ldc`
+/// elements, read first when `accumulate`.
 ///
 /// # Safety
 /// [`available`] returned true; `a` holds `32 · kp` elements and `panel`
-/// `kp / 32 · B_BLOCK`, `kp` a positive multiple of 32.
-pub(super) unsafe fn block(a: &[u16], kp: usize, panel: &[u16], c: &mut [f32; BLOCK * BLOCK]) {
-    debug_assert!(kp > 0 && kp.is_multiple_of(BLOCK));
+/// `kp / 32 · B_BLOCK`, `kp` a positive multiple of 32; the 32 rows of 32 f32 at `c`
+/// (stride `ldc ≥ 32`) are valid for writes (and reads, initialised, when
+/// `accumulate`) and nothing else accesses them during the call.
+pub(super) unsafe fn block(
+    a: &[u16],
+    kp: usize,
+    panel: &[u16],
+    c: *mut f32,
+    ldc: usize,
+    accumulate: bool,
+) {
+    debug_assert!(kp > 0 && kp.is_multiple_of(BLOCK) && ldc >= BLOCK);
     debug_assert!(a.len() >= BLOCK * kp && panel.len() >= kp / BLOCK * B_BLOCK);
     let mut cfg = TileConfig {
         palette: 1,
@@ -83,53 +93,72 @@ pub(super) unsafe fn block(a: &[u16], kp: usize, panel: &[u16], c: &mut [f32; BL
         cfg.colsb[t] = 64;
         cfg.rows[t] = 16;
     }
-    let (ap, bp, cp) = (a.as_ptr(), panel.as_ptr(), c.as_mut_ptr());
-    // SAFETY: the caller's contract: every tile load reads 16 rows of 64 bytes inside
-    // `a` (rows 0–31, bytes `64·q .. 64·q + 64` of each row for block `q < kp / 32`) or
-    // inside `panel` (block `q`'s two 1 KiB tiles); the stores write the 32 × 32 f32 of
-    // `c` (16 rows of 64 bytes at stride 128, four times). The tile registers are ours
-    // from `ldtilecfg` to `tilerelease`, which leaves them as the OS expects.
-    unsafe {
-        asm!(
-            "ldtilecfg [{cfg}]",
+    let (ap, bp) = (a.as_ptr(), panel.as_ptr());
+    // The four quarters of `C`.
+    // SAFETY: offsets inside the 32 × 32 block at `c` (the caller's contract).
+    let (c1, c2, c3) = unsafe { (c.add(16), c.add(16 * ldc), c.add(16 * ldc + 16)) };
+    macro_rules! kernel {
+        ($($init:literal),*) => {
+            // SAFETY: the caller's contract: every tile load reads 16 rows of 64 bytes
+            // inside `a` (rows 0–31, bytes `64·q .. 64·q + 64` of each row for block
+            // `q < kp / 32`) or inside `panel` (block `q`'s two 1 KiB tiles); the
+            // quarters of `C` are 16 rows of 64 bytes at stride `4·ldc` inside the
+            // caller's block. The tile registers are ours from `ldtilecfg` to
+            // `tilerelease`, which leaves them as the OS expects.
+            unsafe {
+                asm!(
+                    "ldtilecfg [{cfg}]",
+                    $($init,)*
+                    "2:",
+                    "tileloadd tmm4, [{a0} + {lda}*1]",
+                    "tileloadd tmm5, [{a1} + {lda}*1]",
+                    "tileloadd tmm6, [{b0} + {ldb}*1]",
+                    "tileloadd tmm7, [{b1} + {ldb}*1]",
+                    "tdpbf16ps tmm0, tmm4, tmm6",
+                    "tdpbf16ps tmm1, tmm4, tmm7",
+                    "tdpbf16ps tmm2, tmm5, tmm6",
+                    "tdpbf16ps tmm3, tmm5, tmm7",
+                    "add {a0}, 64",
+                    "add {a1}, 64",
+                    "add {b0}, 2048",
+                    "add {b1}, 2048",
+                    "dec {n}",
+                    "jnz 2b",
+                    "tilestored [{c0} + {ldc}*1], tmm0",
+                    "tilestored [{c1} + {ldc}*1], tmm1",
+                    "tilestored [{c2} + {ldc}*1], tmm2",
+                    "tilestored [{c3} + {ldc}*1], tmm3",
+                    "tilerelease",
+                    cfg = in(reg) &cfg,
+                    a0 = inout(reg) ap => _,
+                    a1 = inout(reg) ap.add(16 * kp) => _,
+                    lda = in(reg) 2 * kp,
+                    b0 = inout(reg) bp => _,
+                    b1 = inout(reg) bp.add(512) => _,
+                    ldb = in(reg) 64usize,
+                    n = inout(reg) kp / BLOCK => _,
+                    c0 = in(reg) c,
+                    c1 = in(reg) c1,
+                    c2 = in(reg) c2,
+                    c3 = in(reg) c3,
+                    ldc = in(reg) 4 * ldc,
+                    options(nostack),
+                )
+            }
+        };
+    }
+    match accumulate {
+        true => kernel!(
+            "tileloadd tmm0, [{c0} + {ldc}*1]",
+            "tileloadd tmm1, [{c1} + {ldc}*1]",
+            "tileloadd tmm2, [{c2} + {ldc}*1]",
+            "tileloadd tmm3, [{c3} + {ldc}*1]"
+        ),
+        false => kernel!(
             "tilezero tmm0",
             "tilezero tmm1",
             "tilezero tmm2",
-            "tilezero tmm3",
-            "2:",
-            "tileloadd tmm4, [{a0} + {lda}*1]",
-            "tileloadd tmm5, [{a1} + {lda}*1]",
-            "tileloadd tmm6, [{b0} + {ldb}*1]",
-            "tileloadd tmm7, [{b1} + {ldb}*1]",
-            "tdpbf16ps tmm0, tmm4, tmm6",
-            "tdpbf16ps tmm1, tmm4, tmm7",
-            "tdpbf16ps tmm2, tmm5, tmm6",
-            "tdpbf16ps tmm3, tmm5, tmm7",
-            "add {a0}, 64",
-            "add {a1}, 64",
-            "add {b0}, 2048",
-            "add {b1}, 2048",
-            "dec {n}",
-            "jnz 2b",
-            "tilestored [{c0} + {ldc}*1], tmm0",
-            "tilestored [{c1} + {ldc}*1], tmm1",
-            "tilestored [{c2} + {ldc}*1], tmm2",
-            "tilestored [{c3} + {ldc}*1], tmm3",
-            "tilerelease",
-            cfg = in(reg) &cfg,
-            a0 = inout(reg) ap => _,
-            a1 = inout(reg) ap.add(16 * kp) => _,
-            lda = in(reg) 2 * kp,
-            b0 = inout(reg) bp => _,
-            b1 = inout(reg) bp.add(512) => _,
-            ldb = in(reg) 64usize,
-            n = inout(reg) kp / BLOCK => _,
-            c0 = in(reg) cp,
-            c1 = in(reg) cp.add(16),
-            c2 = in(reg) cp.add(16 * BLOCK),
-            c3 = in(reg) cp.add(16 * BLOCK + 16),
-            ldc = in(reg) 4 * BLOCK,
-            options(nostack),
-        );
+            "tilezero tmm3"
+        ),
     }
 }

@@ -31,7 +31,10 @@
 //! **Blocking.** The rows of `A` are taken `MC` at a time (about 256 KiB of packed `A`,
 //! which stays in L2), and for each such block every panel of `B` (`Kp × 32` bf16) in
 //! turn; blocks of rows are split over the current rayon pool's threads, each writing
-//! its own rows of `C`.
+//! its own rows of `C`. The AMX kernel loads and stores a whole 32 × 32 block of `C` in
+//! place; the other kernels, and blocks at `C`'s edges, go through a 32 × 32 buffer.
+//!
+//! [`linear_bf16`] is the first op built on these products, with its backward.
 
 use std::sync::OnceLock;
 
@@ -44,8 +47,11 @@ use crate::kernel::{Dst, Mat, SharedMut, Uninit};
 mod amx;
 #[cfg(all(target_arch = "x86_64", not(miri)))]
 mod dpbf16;
+mod linear;
 #[cfg(test)]
 mod tests;
+
+pub use linear::{linear_bf16, linear_bf16_on};
 
 /// Which kernel multiplies bf16 on this CPU.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -107,18 +113,48 @@ impl std::fmt::Display for Bf16Kernel {
 /// (ties to even) as it is packed.
 pub(crate) trait ToBf16: Copy + Send + Sync {
     fn bits(self) -> u16;
+    /// The value itself, in f32 (exact).
+    fn f32(self) -> f32;
 }
 
 impl ToBf16 for bf16 {
     fn bits(self) -> u16 {
         self.to_bits()
     }
+    fn f32(self) -> f32 {
+        self.to_f32()
+    }
 }
 
 impl ToBf16 for f32 {
     fn bits(self) -> u16 {
-        bf16::from_f32(self).to_bits()
+        round_to_bf16(self)
     }
+    fn f32(self) -> f32 {
+        self
+    }
+}
+
+/// `x` rounded to the nearest bf16, ties to even (`half::bf16::from_f32`'s result,
+/// tested), without branches so that loops over it vectorise: add `0x7fff` plus the
+/// lowest kept bit and keep the high half; a NaN stays a (quiet) NaN.
+#[inline]
+pub(crate) fn round_to_bf16(x: f32) -> u16 {
+    let b = x.to_bits();
+    let rounded = (b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16) as u16;
+    let nan = ((b >> 16) | 0x0040) as u16;
+    if x.is_nan() {
+        nan
+    } else {
+        rounded
+    }
+}
+
+/// `x` rounded to bf16, element by element ([`round_to_bf16`]).
+pub(crate) fn to_bf16_vec(x: &[f32]) -> Vec<bf16> {
+    x.iter()
+        .map(|&v| bf16::from_bits(round_to_bf16(v)))
+        .collect()
 }
 
 /// The depth, rows and columns of the blocks the kernels work on.
@@ -270,8 +306,19 @@ pub(crate) fn gemm<A: ToBf16, B: ToBf16>(
             let panel = &pb.data[(j / BLOCK) * pb.kb * B_BLOCK..][..pb.kb * B_BLOCK];
             for i in rows.clone().step_by(BLOCK) {
                 let a_rows = &pa.data[i * pa.kp..][..BLOCK * pa.kp];
-                block(kernel, a_rows, pa.kp, panel, &mut c);
                 let (h, w) = ((m - i).min(BLOCK), (n - j).min(BLOCK));
+                #[cfg(all(target_arch = "x86_64", target_os = "linux", not(miri)))]
+                if kernel == Bf16Kernel::Amx && h == BLOCK && w == BLOCK {
+                    // A whole block: the tiles are loaded from and stored to the
+                    // destination itself.
+                    // SAFETY: `Amx` is only offered when `amx::available`; the operands'
+                    // sizes by construction; the 32 × 32 block at `(i, j)` is inside the
+                    // destination (`i + 32 ≤ m`, `j + 32 ≤ n ≤ ld`), in this task's rows,
+                    // and initialised when `accumulate`.
+                    unsafe { amx::block(a_rows, pa.kp, panel, row(i, j, w), ld, accumulate) };
+                    continue;
+                }
+                block(kernel, a_rows, pa.kp, panel, &mut c);
                 for r in 0..h {
                     let (d, s) = (row(i + r, j, w), &c[r * BLOCK..r * BLOCK + w]);
                     // SAFETY: `w` elements of a row of this task's rows (see `row`); no
@@ -312,7 +359,7 @@ fn block(kernel: Bf16Kernel, a: &[u16], kp: usize, panel: &[u16], c: &mut [f32; 
         // tile state (`amx::available`); the slices hold the 32 rows of `kp` and the
         // `kp / 32` blocks the kernel reads (asserted above in debug builds, by
         // construction in `gemm`).
-        Bf16Kernel::Amx => unsafe { amx::block(a, kp, panel, c) },
+        Bf16Kernel::Amx => unsafe { amx::block(a, kp, panel, c.as_mut_ptr(), BLOCK, false) },
         #[cfg(all(target_arch = "x86_64", not(miri)))]
         // SAFETY: `Avx512Bf16` is only offered when the CPU has AVX-512 F and BF16
         // (`dpbf16::available`); the operands' sizes as above.
@@ -425,7 +472,7 @@ pub fn matmul_bf16_with(
 }
 
 /// A bf16 or f32 CPU tensor's elements from its start, and its two strides.
-fn operand<'s>(
+pub(crate) fn operand<'s>(
     s: &'s candle_core::Storage,
     l: &candle_core::Layout,
 ) -> candle_core::Result<(Operand<'s>, usize, usize)> {
@@ -441,7 +488,7 @@ fn operand<'s>(
 
 /// A tensor's elements as a bf16 product reads them.
 #[derive(Clone, Copy)]
-enum Operand<'a> {
+pub(crate) enum Operand<'a> {
     Bf16(&'a [bf16]),
     F32(&'a [f32]),
 }

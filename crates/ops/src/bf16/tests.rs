@@ -4,6 +4,7 @@ use half::bf16;
 
 use super::*;
 use crate::kernel::{test_data, Dst};
+use crate::OpsBackend;
 
 /// The shapes: edges of the 32-blocks, a single row, column and depth, and (not under
 /// Miri, which interprets slowly) blocks of rows larger than one task's.
@@ -149,6 +150,39 @@ fn f32_operands_are_rounded_to_the_nearest_bf16() {
 }
 
 #[test]
+fn rounding_to_bf16_is_halfs() {
+    let mut xs: Vec<f32> = vec![
+        0.0,
+        -0.0,
+        1.0,
+        1.0 + 1.0 / 256.0,
+        1.0 + 3.0 / 256.0,
+        f32::MAX,
+        f32::MIN_POSITIVE,
+        f32::MIN_POSITIVE / 3.0,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::NAN,
+        f32::from_bits(0x7f80_0001),
+        f32::from_bits(0x7fff_ffff),
+        f32::from_bits(0x7f7f_ffff),
+    ];
+    xs.extend(
+        test_data(if cfg!(miri) { 100 } else { 100_000 }, 12, 1e3)
+            .iter()
+            .map(|&x| x as f32),
+    );
+    for x in xs {
+        let want = bf16::from_f32(x);
+        let got = bf16::from_bits(round_to_bf16(x));
+        match x.is_nan() {
+            true => assert!(got.is_nan(), "{x:?}"),
+            false => assert_eq!(got.to_bits(), want.to_bits(), "{x:?} ({:#x})", x.to_bits()),
+        }
+    }
+}
+
+#[test]
 fn the_packed_b_block_is_the_vnni_layout() {
     // B[p][c] = 1000·p + c, k = 40, n = 35: two depth blocks, two panels.
     let (k, n) = (40, 35);
@@ -220,4 +254,144 @@ fn this_cpu_offers_its_native_kernels() {
     }
     assert_eq!(Bf16Kernel::best(), all[0]);
     assert_eq!(Bf16Kernel::best().is_native(), all.len() > 1);
+}
+
+/// `x` rounded to bf16 and back, as f64.
+fn via_bf16(x: &[f64]) -> Vec<f64> {
+    x.iter().map(|&v| bf16::from_f64(v).to_f64()).collect()
+}
+
+/// `Σ_p a[i][p]·b[j][p]` for row-major `a` `[m, k]` and `b` `[n, k]`.
+fn abt(a: &[f64], b: &[f64], m: usize, n: usize, k: usize) -> Vec<f64> {
+    (0..m * n)
+        .map(|ij| (0..k).map(|p| a[ij / n * k + p] * b[ij % n * k + p]).sum())
+        .collect()
+}
+
+fn close(what: &str, got: &[f64], want: &[f64], rel: f64, abs: f64) {
+    assert_eq!(got.len(), want.len(), "{what}");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!(
+            (g - w).abs() <= rel * w.abs() + abs,
+            "{what}[{i}]: {g} against {w}"
+        );
+    }
+}
+
+#[test]
+#[cfg_attr(miri, ignore = "candle's tensors read /sys")]
+fn linear_bf16_is_the_bf16_product_of_the_rounded_operands_and_so_is_its_backward(
+) -> candle_core::Result<()> {
+    use candle_core::{DType, Device, Tensor, Var};
+    let dev = Device::Cpu;
+    let (rows, inf, outf) = (10, 40, 33);
+    let xv = test_data(rows * inf, 8, 2.0);
+    let wv = test_data(outf * inf, 9, 0.5);
+    let bv = test_data(outf, 10, 0.5);
+    let cv = test_data(rows * outf, 11, 1.0);
+    let f32s = |v: &[f64]| v.iter().map(|&x| x as f32).collect::<Vec<_>>();
+    let to64 = |t: &Tensor| -> candle_core::Result<Vec<f64>> {
+        t.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()
+    };
+    let w = Var::from_tensor(&Tensor::from_vec(f32s(&wv), (outf, inf), &dev)?)?;
+    let b = Var::from_tensor(&Tensor::from_vec(f32s(&bv), outf, &dev)?)?;
+    let c = Tensor::from_vec(f32s(&cv), (2, rows / 2, outf), &dev)?;
+    // The reference: every operand as the op sees it (bf16), sums in f64.
+    let (xr, wr) = (
+        via_bf16(&f32s(&xv).iter().map(|&x| x as f64).collect::<Vec<_>>()),
+        via_bf16(&wv),
+    );
+    let g = via_bf16(&cv);
+    let y_ref: Vec<f64> = abt(&xr, &wr, rows, outf, inf)
+        .iter()
+        .enumerate()
+        .map(|(i, y)| y + bv[i % outf] as f32 as f64)
+        .collect();
+    let gt: Vec<f64> = (0..outf * rows)
+        .map(|i| g[(i % rows) * outf + i / rows])
+        .collect();
+    let xrt: Vec<f64> = (0..inf * rows)
+        .map(|i| xr[(i % rows) * inf + i / rows])
+        .collect();
+    let dw_ref = abt(&gt, &xrt, outf, inf, rows);
+    let wrt: Vec<f64> = (0..inf * outf)
+        .map(|i| wr[(i % outf) * inf + i / outf])
+        .collect();
+    let dx_ref = abt(&g, &wrt, rows, inf, outf);
+    let db_ref: Vec<f64> = (0..outf)
+        .map(|j| (0..rows).map(|r| g[r * outf + j]).sum())
+        .collect();
+    for x_dtype in [DType::F32, DType::BF16] {
+        for backend in [OpsBackend::Fused, OpsBackend::Composed] {
+            let what = format!("{x_dtype:?} input, {backend:?}");
+            let x = Var::from_tensor(
+                &Tensor::from_vec(f32s(&xv), (2, rows / 2, inf), &dev)?.to_dtype(x_dtype)?,
+            )?;
+            let y = linear_bf16_on(x.as_tensor(), w.as_tensor(), Some(b.as_tensor()), backend)?;
+            assert_eq!(
+                (y.dtype(), y.dims()),
+                (DType::BF16, &[2, rows / 2, outf][..])
+            );
+            // One rounding to bf16 of an f32 sum (the twin rounds the product first).
+            close(
+                &format!("{what}: y"),
+                &to64(&y)?,
+                &y_ref,
+                2.0 * 2f64.powi(-8),
+                1e-2,
+            );
+            let grads = (y.to_dtype(DType::F32)? * &c)?.sum_all()?.backward()?;
+            let (dx, dw, db) = (
+                grads.get(x.as_tensor()).expect("dx"),
+                grads.get(w.as_tensor()).expect("dw"),
+                grads.get(b.as_tensor()).expect("db"),
+            );
+            assert_eq!(
+                (dx.dtype(), dw.dtype(), db.dtype()),
+                (x_dtype, DType::F32, DType::F32)
+            );
+            if backend == OpsBackend::Composed {
+                // candle's bf16 matmul rounds its results to bf16.
+                close(
+                    &format!("{what}: dW"),
+                    &to64(dw)?,
+                    &dw_ref,
+                    2f64.powi(-7),
+                    1e-2,
+                );
+                continue;
+            }
+            // f32 sums of exact products: f32 roundings only, but for dX in bf16.
+            let dx_rel = if x_dtype == DType::BF16 {
+                2f64.powi(-8)
+            } else {
+                1e-5
+            };
+            close(&format!("{what}: dX"), &to64(dx)?, &dx_ref, dx_rel, 1e-5);
+            close(&format!("{what}: dW"), &to64(dw)?, &dw_ref, 1e-5, 1e-5);
+            close(&format!("{what}: db"), &to64(db)?, &db_ref, 1e-6, 1e-6);
+        }
+    }
+    // A broadcast gradient (of a plain sum) is read in place: every dW row is Σ_rows X.
+    let x = Var::from_tensor(&Tensor::from_vec(f32s(&xv), (2, rows / 2, inf), &dev)?)?;
+    let y = linear_bf16(x.as_tensor(), w.as_tensor(), None)?;
+    let grads = y.sum_all()?.backward()?;
+    let dw = to64(grads.get(w.as_tensor()).expect("dw"))?;
+    let col: Vec<f64> = (0..inf)
+        .map(|i| (0..rows).map(|r| xr[r * inf + i]).sum())
+        .collect();
+    let want: Vec<f64> = (0..outf * inf).map(|i| col[i % inf]).collect();
+    close("dW of a sum", &dw, &want, 1e-5, 1e-5);
+    let e = linear_bf16(
+        &Tensor::zeros((2, inf), DType::F64, &dev)?,
+        w.as_tensor(),
+        None,
+    )
+    .unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("a bf16 or f32 input and an f32 weight"),
+        "{e}"
+    );
+    Ok(())
 }
