@@ -410,7 +410,8 @@ impl<'a, T> Mat<'a, T> {
             cs: self.rs,
         }
     }
-    fn fits(&self, rows: usize, cols: usize) -> bool {
+    /// Whether every element `(i, j)`, `i < rows`, `j < cols`, lies inside `data`.
+    pub(crate) fn fits(&self, rows: usize, cols: usize) -> bool {
         rows == 0 || cols == 0 || (rows - 1) * self.rs + (cols - 1) * self.cs < self.data.len()
     }
 }

@@ -17,7 +17,7 @@ use candle_core::{
 };
 
 use super::{gemm, to_bf16_vec, Bf16Kernel, Operand, ToBf16};
-use crate::kernel::{Dst, Mat, Uninit};
+use crate::kernel::{slice, Dst, Mat, Uninit};
 use crate::OpsBackend;
 
 /// `x · wᵀ + b` with bf16 products and f32 sums, for `x` `[.., in]` (rank 2 or 3, bf16
@@ -80,7 +80,7 @@ impl LinearBf16 {
     ) -> Result<(CpuStorage, Shape)> {
         let (out_f, in_f) = w.1.shape().dims2()?;
         let rows = x.1.shape().elem_count() / in_f.max(1);
-        let w = f32s(w)?;
+        let w = slice::<f32>(w.0, w.1, "linear_bf16")?;
         let mut y = Uninit::<f32>::new(rows * out_f)?;
         let kernel = Bf16Kernel::best();
         let wt = Mat::rows(w, in_f).t();
@@ -107,7 +107,7 @@ impl LinearBf16 {
         // SAFETY: `gemm` wrote all `rows · out` elements (`Dst::Uninit`, row stride out).
         let mut y = unsafe { y.assume_init() };
         if let Some(b) = b {
-            let b = f32s(b)?;
+            let b = slice::<f32>(b.0, b.1, "linear_bf16")?;
             for row in y.chunks_exact_mut(out_f) {
                 row.iter_mut().zip(b).for_each(|(y, b)| *y += b);
             }
@@ -142,9 +142,9 @@ impl LinearBf16 {
         let (Storage::Cpu(gs), Storage::Cpu(xs), Storage::Cpu(ws)) = (&*gs, &*xs, &*ws) else {
             bail!("linear_bf16: CPU tensors expected in the backward");
         };
-        let w = f32s((ws, wl))?;
-        let g = operand_of(gs, gl.start_offset())?;
-        let xo = operand_of(xs, xl.start_offset())?;
+        let w = slice::<f32>(ws, wl, "linear_bf16")?;
+        let g = Operand::of(gs, gl.start_offset())?;
+        let xo = Operand::of(xs, xl.start_offset())?;
         let kernel = Bf16Kernel::best();
         let mut dx = Uninit::<f32>::new(rows * in_f)?;
         let mut dw = Uninit::<f32>::new(out_f * in_f)?;
@@ -213,23 +213,6 @@ fn rows_strides(l: &Layout) -> Option<(usize, usize)> {
         (&[_, _], &[rs, cs]) => Some((rs, cs)),
         (&[b, t, _], &[s0, s1, cs]) if b == 1 || s0 == t * s1 => Some((s1, cs)),
         _ => None,
-    }
-}
-
-/// A bf16 or f32 CPU storage's elements from `start`.
-fn operand_of(s: &CpuStorage, start: usize) -> Result<Operand<'_>> {
-    match s {
-        CpuStorage::BF16(v) => Ok(Operand::Bf16(&v[start..])),
-        CpuStorage::F32(v) => Ok(Operand::F32(&v[start..])),
-        _ => bail!("linear_bf16: bf16 or f32 tensors expected in the backward"),
-    }
-}
-
-/// An f32 CPU storage's elements under its (contiguous) layout.
-fn f32s<'s>((s, l): (&'s CpuStorage, &Layout)) -> Result<&'s [f32]> {
-    match s {
-        CpuStorage::F32(v) => Ok(&v[l.start_offset()..][..l.shape().elem_count()]),
-        _ => bail!("linear_bf16: an f32 weight and bias expected"),
     }
 }
 

@@ -267,7 +267,7 @@ pub(crate) fn gemm<A: ToBf16, B: ToBf16>(
         "bf16 gemm: destination out of bounds"
     );
     assert!(
-        fits(&a, m, k) && fits(&b, k, n),
+        a.fits(m, k) && b.fits(k, n),
         "bf16 gemm: operands out of bounds"
     );
     if m == 0 || n == 0 {
@@ -343,10 +343,6 @@ pub(crate) fn gemm<A: ToBf16, B: ToBf16>(
     } else {
         (0..blocks).for_each(run);
     }
-}
-
-fn fits<T>(x: &Mat<T>, rows: usize, cols: usize) -> bool {
-    rows == 0 || cols == 0 || (rows - 1) * x.rs + (cols - 1) * x.cs < x.data.len()
 }
 
 /// One 32 × 32 block of `C` (`c`, row-major) = 32 packed rows of `A` times one panel.
@@ -472,18 +468,18 @@ pub fn matmul_bf16_with(
 }
 
 /// A bf16 or f32 CPU tensor's elements from its start, and its two strides.
-pub(crate) fn operand<'s>(
+fn operand<'s>(
     s: &'s candle_core::Storage,
     l: &candle_core::Layout,
 ) -> candle_core::Result<(Operand<'s>, usize, usize)> {
-    use candle_core::{CpuStorage, Storage};
-    let (rs, cs) = (l.stride()[0], l.stride()[1]);
-    let o = l.start_offset();
-    match s {
-        Storage::Cpu(CpuStorage::BF16(v)) => Ok((Operand::Bf16(&v[o..]), rs, cs)),
-        Storage::Cpu(CpuStorage::F32(v)) => Ok((Operand::F32(&v[o..]), rs, cs)),
-        _ => candle_core::bail!("matmul_bf16: bf16 or f32 CPU tensors expected"),
-    }
+    let candle_core::Storage::Cpu(s) = s else {
+        candle_core::bail!("matmul_bf16: bf16 or f32 CPU tensors expected");
+    };
+    Ok((
+        Operand::of(s, l.start_offset())?,
+        l.stride()[0],
+        l.stride()[1],
+    ))
 }
 
 /// A tensor's elements as a bf16 product reads them.
@@ -491,4 +487,15 @@ pub(crate) fn operand<'s>(
 pub(crate) enum Operand<'a> {
     Bf16(&'a [bf16]),
     F32(&'a [f32]),
+}
+
+impl<'a> Operand<'a> {
+    /// A bf16 or f32 CPU storage's elements from `start`.
+    pub(crate) fn of(s: &'a candle_core::CpuStorage, start: usize) -> candle_core::Result<Self> {
+        match s {
+            candle_core::CpuStorage::BF16(v) => Ok(Operand::Bf16(&v[start..])),
+            candle_core::CpuStorage::F32(v) => Ok(Operand::F32(&v[start..])),
+            _ => candle_core::bail!("bf16 products: bf16 or f32 tensors expected"),
+        }
+    }
 }
