@@ -18,7 +18,7 @@
 //!   20 %).
 
 use serde::{Deserialize, Serialize};
-use switchyard_models::{GptConfig, OpsBackend, SplitSpec};
+use switchyard_models::{GptConfig, OpsBackend, Precision, SplitSpec};
 use switchyard_schedule::{ScheduleChoice, ScheduleKind};
 
 use switchyard_train::data::Corpus;
@@ -69,6 +69,7 @@ impl Preset {
             d_model: d,
             tied_embeddings: false,
             ops: OpsBackend::Fused,
+            precision: Precision::F32,
         };
         let (m, batch, t, warmup, steps) = match name {
             "reference" => (model(256, 8, 8, 128), 32, 128, 2, 5),
@@ -168,6 +169,9 @@ pub struct Case {
     /// Activation recomputation.
     #[serde(default)]
     pub recompute: Recompute,
+    /// What the products multiply in.
+    #[serde(default, with = "switchyard_models::precision_serde")]
+    pub precision: Precision,
 }
 
 impl Case {
@@ -191,6 +195,7 @@ pub fn cases(p: &Preset) -> Vec<Case> {
         microbatches,
         ops: OpsBackend::Fused,
         recompute: Recompute::None,
+        precision: Precision::F32,
     };
     let m = p.microbatches;
     vec![
@@ -240,6 +245,16 @@ pub fn cases(p: &Preset) -> Vec<Case> {
         },
         case("tp 2", 1, 1, 2, 1, ScheduleKind::OneFOneB, 1),
         case("dp 2", 2, 1, 1, 1, ScheduleKind::OneFOneB, 1),
+        // Mixed precision (issue 18): bf16 products against the first row and against
+        // the pipeline row without it.
+        Case {
+            precision: Precision::Bf16,
+            ..case("1 worker, bf16", 1, 1, 1, 1, ScheduleKind::OneFOneB, 1)
+        },
+        Case {
+            precision: Precision::Bf16,
+            ..case("pp 2 1f1b, bf16", 1, 2, 1, 1, ScheduleKind::OneFOneB, m)
+        },
     ]
 }
 
@@ -248,6 +263,7 @@ pub fn config(p: &Preset, c: &Case) -> TrainConfig<GptConfig> {
     TrainConfig {
         model: GptConfig {
             ops: c.ops,
+            precision: c.precision,
             ..p.model.clone()
         },
         dp: c.dp,
@@ -312,8 +328,8 @@ impl Row {
 }
 
 /// The model the time model is calibrated on: a 2-layer GPT of width `d` and block
-/// size `t` on `ops`.
-pub fn probe(ops: OpsBackend, d: usize, t: usize) -> GptConfig {
+/// size `t`, computing as `compute` says (its ops backend and precision).
+pub fn probe(compute: Compute, d: usize, t: usize) -> GptConfig {
     GptConfig {
         vocab_size: 256,
         block_size: t,
@@ -321,17 +337,30 @@ pub fn probe(ops: OpsBackend, d: usize, t: usize) -> GptConfig {
         n_head: 4,
         d_model: d,
         tied_embeddings: false,
-        ops,
+        ops: compute.0,
+        precision: compute.1,
     }
 }
 
-/// The time model of each ops backend among `cases`, calibrated on this machine.
-pub fn calibrate(cases: &[&Case]) -> Result<Vec<(OpsBackend, TimeModel)>, BenchError> {
-    let mut models: Vec<(OpsBackend, TimeModel)> = Vec::new();
+/// How a model computes, which decides its time model: the ops backend and the
+/// precision.
+pub type Compute = (OpsBackend, Precision);
+
+/// The name of a [`Compute`] in tables: `fused`, `fused, bf16`.
+pub fn compute_name((ops, precision): Compute) -> String {
+    match precision {
+        Precision::F32 => ops.name().to_string(),
+        p => format!("{}, {p}", ops.name()),
+    }
+}
+
+/// The time model of each way of computing among `cases`, calibrated on this machine.
+pub fn calibrate(cases: &[&Case]) -> Result<Vec<(Compute, TimeModel)>, BenchError> {
+    let mut models: Vec<(Compute, TimeModel)> = Vec::new();
     for c in cases {
-        if !models.iter().any(|(ops, _)| *ops == c.ops) {
-            let ops = c.ops;
-            models.push((ops, TimeModel::calibrate(|d, t| probe(ops, d, t))?));
+        let key = (c.ops, c.precision);
+        if !models.iter().any(|(k, _)| *k == key) {
+            models.push((key, TimeModel::calibrate(|d, t| probe(key, d, t))?));
         }
     }
     Ok(models)
@@ -441,17 +470,19 @@ impl Report {
         }
     }
 
-    /// Predicts every row's step time with the time model of its ops backend.
-    pub fn predict(&mut self, models: &[(OpsBackend, TimeModel)]) -> Result<(), BenchError> {
+    /// Predicts every row's step time with the time model of its ops backend and
+    /// precision.
+    pub fn predict(&mut self, models: &[(Compute, TimeModel)]) -> Result<(), BenchError> {
         for r in &mut self.rows {
-            let Some((_, tm)) = models.iter().find(|(ops, _)| *ops == r.case.ops) else {
+            let key = (r.case.ops, r.case.precision);
+            let Some((_, tm)) = models.iter().find(|(k, _)| *k == key) else {
                 continue;
             };
             r.predicted = Some(predict_step_time(&config(&self.preset, &r.case), tm)?);
         }
         self.time_models = models
             .iter()
-            .map(|(ops, tm)| (ops.name().to_string(), tm.clone()))
+            .map(|(k, tm)| (compute_name(*k), tm.clone()))
             .collect();
         Ok(())
     }
@@ -559,6 +590,7 @@ mod tests {
             d_model: 2,
             tied_embeddings: false,
             ops: OpsBackend::Fused,
+            precision: Precision::F32,
         };
         p.seq_len = 3;
         // Forward, per token: a weight matrix `a × b` (with its bias) costs 2ab for the

@@ -126,7 +126,7 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
     // Before any row, on a quiet machine: the rates the predictions divide by.
     let t0 = std::time::Instant::now();
     let models = calibrate(&selected)?;
-    for (ops, tm) in &models {
+    for (compute, tm) in &models {
         let curves: Vec<String> = tm
             .curves
             .iter()
@@ -144,7 +144,7 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
             "  time model ({}, calibrated): a part per thread {}; second thread at the largest \
              size; p2p {:.1} µs + {:.1} GB/s, all-reduce {:.1} µs + {:.1} GB/s; a step {:.0} µs \
              + {:.0} µs with several workers",
-            ops.name(),
+            switchyard::bench::compute_name(*compute),
             curves.join(", "),
             tm.p2p.alpha_s * 1e6,
             tm.p2p.bytes_per_s / 1e9,

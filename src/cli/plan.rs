@@ -50,10 +50,12 @@ pub struct PlanArgs {
 /// The workers a plan is for when none are given.
 const DEFAULT_WORKERS: usize = 4;
 
-/// This machine's rates for `ops`, measured now (about 5 s).
-pub fn calibrate(ops: switchyard_models::OpsBackend) -> anyhow::Result<TimeModel> {
+/// This machine's rates for `model`'s ops backend and precision, measured now (about
+/// 5 s).
+pub fn calibrate(model: &GptConfig) -> anyhow::Result<TimeModel> {
     eprintln!("switchyard: measuring this machine's compute and communication rates ...");
-    TimeModel::calibrate(|d, t| switchyard::bench::probe(ops, d, t)).map_err(|e| anyhow!("{e}"))
+    let compute = (model.ops, model.precision);
+    TimeModel::calibrate(|d, t| switchyard::bench::probe(compute, d, t)).map_err(|e| anyhow!("{e}"))
 }
 
 /// `cfg` with the layout `--layout` names: its text form, or `auto`, the fastest layout
@@ -82,7 +84,7 @@ pub fn choose_layout(
             .available
             .map(|m| m / workers as u64),
     };
-    let tm = calibrate(cfg.model.ops)?;
+    let tm = calibrate(&cfg.model)?;
     let time = |c: &TrainConfig<GptConfig>| predict_step_time(c, &tm).ok().map(|t| t.seconds);
     let all = plan(&cfg, workers, budget, &time);
     let fitting = all.iter().filter(|c| c.verdict == Verdict::Fits).count();
@@ -212,7 +214,7 @@ pub fn run(a: PlanArgs) -> anyhow::Result<()> {
 
 fn time_model(a: &PlanArgs, base: &TrainConfig<GptConfig>) -> anyhow::Result<Option<TimeModel>> {
     if a.calibrate {
-        let tm = calibrate(base.model.ops)?;
+        let tm = calibrate(&base.model)?;
         if let Some(p) = &a.save_calibration {
             std::fs::write(p, serde_json::to_string_pretty(&tm)?)
                 .with_context(|| format!("cannot write --save-calibration {}", p.display()))?;

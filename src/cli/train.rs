@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{anyhow, bail, Context};
 use clap::Args;
 use switchyard_models::SplitSpec;
-use switchyard_models::{GptConfig, OpsBackend};
+use switchyard_models::{GptConfig, OpsBackend, Precision};
 use switchyard_schedule::{ScheduleChoice, ScheduleKind};
 use switchyard_train::data::{self, Corpus, DataSpec, Dataset, TokenWidth};
 use switchyard_train::optim::Decay;
@@ -78,6 +78,11 @@ pub struct TrainArgs {
     /// twins from candle's own ops, which run on every device; also on the CPU)
     #[arg(long, value_name = "fused|composed")]
     pub ops: Option<OpsBackend>,
+    /// What the products multiply in: `f32` (the default) or `bf16` (bf16 products with
+    /// f32 sums, f32 master weights, AdamW state and gradients, bf16 saved activations;
+    /// native on CPUs with AMX or AVX-512 BF16, emulated elsewhere)
+    #[arg(long, value_name = "f32|bf16")]
+    pub precision: Option<Precision>,
     /// The candle device: cpu (the default), cuda:N or metal (a build with
     /// `--features cuda` or `--features metal`)
     #[arg(long, value_name = "cpu|cuda:N|metal")]
@@ -210,7 +215,7 @@ pub enum Backend {
 }
 
 /// The settings a TOML file may hold besides [`TrainConfig`]'s.
-const FILE_ONLY: [&str; 9] = [
+const FILE_ONLY: [&str; 10] = [
     "data",
     "metrics",
     "trace",
@@ -220,6 +225,7 @@ const FILE_ONLY: [&str; 9] = [
     "tokenizer",
     "token_width",
     "ops",
+    "precision",
 ];
 
 /// The [`FILE_ONLY`] keys of a TOML file, each of its one type.
@@ -229,6 +235,8 @@ struct FileOnly {
     data: Option<PathBuf>,
     /// The model's `ops` (as `--ops`; `[model] ops` is the same setting).
     ops: Option<String>,
+    /// The model's `precision` (as `--precision`; `[model] precision` is the same).
+    precision: Option<String>,
     tokenizer: Option<PathBuf>,
     token_width: Option<TokenWidth>,
     metrics: Option<PathBuf>,
@@ -372,6 +380,17 @@ pub fn resolve(
     }
     if let Some(ops) = a.ops {
         c.model.ops = ops;
+    }
+    if let Some(p) = &file.precision {
+        c.model.precision = p.parse().map_err(|e| {
+            anyhow!(
+                "--config {}: key `precision`: {e}",
+                a.config.clone().unwrap_or_default().display()
+            )
+        })?;
+    }
+    if let Some(p) = a.precision {
+        c.model.precision = p;
     }
     // Off the CPU every op runs as its composed twin; saying so makes the memory estimate
     // and the report describe what runs.

@@ -2,7 +2,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use switchyard_shard::OpsBackend;
+use switchyard_shard::{OpsBackend, Precision};
 
 use crate::ModelError;
 
@@ -30,6 +30,12 @@ pub struct GptConfig {
     /// before it existed still load).
     #[serde(with = "ops_serde", skip_serializing_if = "is_fused")]
     pub ops: OpsBackend,
+    /// What the products multiply in: f32, or bf16 with f32 sums, f32 master weights
+    /// and bf16 saved activations ([`Precision`]). Not part of the model either: a
+    /// checkpoint trained at one precision resumes at the other; left out of the
+    /// serialised config at its default, f32.
+    #[serde(with = "precision_serde", skip_serializing_if = "is_f32")]
+    pub precision: Precision,
 }
 
 impl PartialEq for GptConfig {
@@ -71,6 +77,26 @@ pub mod ops_serde {
     }
 }
 
+pub(crate) fn is_f32(p: &Precision) -> bool {
+    *p == Precision::F32
+}
+
+/// [`Precision`] as its name (`"f32"`, `"bf16"`) for serde's `with` attribute.
+pub mod precision_serde {
+    use serde::{de::Error, Deserialize, Deserializer, Serializer};
+    use switchyard_shard::Precision;
+
+    /// Writes the name.
+    pub fn serialize<S: Serializer>(p: &Precision, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(p.name())
+    }
+
+    /// Reads a name, refusing any other.
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Precision, D::Error> {
+        String::deserialize(d)?.parse().map_err(D::Error::custom)
+    }
+}
+
 impl Default for GptConfig {
     /// The model `switchyard train` trains by default: 4 layers, d 192, 4 heads, bytes.
     fn default() -> Self {
@@ -82,6 +108,7 @@ impl Default for GptConfig {
             d_model: 192,
             tied_embeddings: false,
             ops: OpsBackend::Fused,
+            precision: Precision::F32,
         }
     }
 }
@@ -97,6 +124,7 @@ impl GptConfig {
             d_model: 32,
             tied_embeddings: false,
             ops: OpsBackend::Fused,
+            precision: Precision::F32,
         }
     }
 
@@ -230,6 +258,7 @@ impl GptConfig {
             d_model: wte[1],
             tied_embeddings: !shapes.contains_key("lm_head.weight"),
             ops: OpsBackend::Fused,
+            precision: Precision::F32,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -259,9 +288,30 @@ mod tests {
             d_model: 768,
             tied_embeddings: true,
             ops: OpsBackend::Fused,
+            precision: Precision::F32,
         };
         // nanoGPT reports 124.44M with the position table.
         assert_eq!(c.param_count(), 124_439_808);
+    }
+
+    #[test]
+    fn precision_is_optional_not_part_of_the_model_and_not_written_at_f32() {
+        let json = serde_json::to_string(&GptConfig::tiny(2)).unwrap();
+        assert!(!json.contains("precision"), "{json}");
+        let bf16 = GptConfig {
+            precision: Precision::Bf16,
+            ..GptConfig::tiny(2)
+        };
+        assert_eq!(bf16, GptConfig::tiny(2));
+        let json = serde_json::to_string(&bf16).unwrap();
+        assert!(json.contains(r#""precision":"bf16""#), "{json}");
+        let back: GptConfig = serde_json::from_str(&json).unwrap();
+        assert_eq!(back.precision, Precision::Bf16);
+        let bad = json.replace("bf16", "fp8");
+        let e = serde_json::from_str::<GptConfig>(&bad)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("fp8") && e.contains("bf16"), "{e}");
     }
 
     #[test]

@@ -115,7 +115,10 @@ impl GptStage {
         tp: TpGroup,
     ) -> Result<GptStage> {
         cfg.validate()?;
-        let vb = store.builder().with_ops(cfg.ops);
+        let vb = store
+            .builder()
+            .with_ops(cfg.ops)
+            .with_precision(cfg.precision);
         let first_param = store.len();
         let d = cfg.d_model;
         let init = LayerInit {
@@ -172,10 +175,17 @@ impl GptStage {
             true => {
                 let ln_f = LayerNorm::new(&vb.pp("transformer.ln_f"), d)?;
                 let lm_head = match (cfg.tied_embeddings, &embed) {
-                    (true, Some(e)) => e.wte.tied_lm_head()?.with_ops(cfg.ops),
+                    (true, Some(e)) => e
+                        .wte
+                        .tied_lm_head()?
+                        .with_ops(cfg.ops)
+                        .with_precision(cfg.precision),
                     // The table lives on this rank under another stage (shared), or
                     // this stage gets its own copy.
-                    (true, None) => wte(&vb.shared())?.tied_lm_head()?.with_ops(cfg.ops),
+                    (true, None) => wte(&vb.shared())?
+                        .tied_lm_head()?
+                        .with_ops(cfg.ops)
+                        .with_precision(cfg.precision),
                     (false, _) => ColumnParallelLinear::vocab_head(
                         &vb.pp("lm_head"),
                         tp.clone(),

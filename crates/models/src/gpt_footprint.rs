@@ -20,7 +20,7 @@
 //! microbatch; the head keeps the logits, shifted and exponentiated. Measured against
 //! `switchyard-mem` in `switchyard-train`'s `tests/estimate.rs`.
 
-use switchyard_shard::OpsBackend;
+use switchyard_shard::{OpsBackend, Precision};
 
 use crate::gpt::WTE;
 use crate::{Activations, Footprint, GptConfig, ModelError, StagePlan};
@@ -104,8 +104,15 @@ pub(crate) fn footprint(
     let rows = rows as f64;
     let (d, l, h) = (d as f64, layers as f64, (cfg.n_head / tp) as f64);
     let a = tp as f64;
+    // What the fused pairs keep for their backward (q | k | v, the attention's output,
+    // the MLP's pre-activation and GELU output) is bf16 at bf16 precision: half an f32
+    // element each. The tensors between the ops stay f32.
+    let kept = match cfg.precision {
+        Precision::F32 => 1.0,
+        Precision::Bf16 => 0.5,
+    };
     let (block, per_microbatch, block_tensors, ln_f) = match cfg.ops {
-        OpsBackend::Fused => (12.0 * d / a + 6.0 * d + h, 0, 32, d),
+        OpsBackend::Fused => (12.0 * d / a * kept + 6.0 * d + h, 0, 32, d),
         // Candle keeps every intermediate of the composed ops (see the doc above).
         OpsBackend::Composed => {
             let t = seq_len as f64;
@@ -142,7 +149,13 @@ pub(crate) fn footprint(
         per_microbatch: layers * per_microbatch,
         tensors,
         backward_per_token: match cfg.ops {
-            OpsBackend::Fused => 5.0 * d + if plan.head { rows } else { 0.0 },
+            // At bf16 the MLP's backward widens its kept pre-activation and GELU output
+            // back to f32 first (8·d/tp elements a token, freed with the op's backward).
+            OpsBackend::Fused => {
+                5.0 * d
+                    + if plan.head { rows } else { 0.0 }
+                    + if kept < 1.0 { 8.0 * d / a } else { 0.0 }
+            }
             // Candle's backward holds each node's gradient until it is used, with
             // temporaries of the chain rule: fitted to measurements (`tests/estimate.rs`).
             OpsBackend::Composed => {
@@ -154,7 +167,7 @@ pub(crate) fn footprint(
         },
         // The fused MLP's GELU output (the composed twin keeps everything).
         selective_per_token: match cfg.ops {
-            OpsBackend::Fused => l * 4.0 * d / a,
+            OpsBackend::Fused => l * 4.0 * d / a * kept,
             OpsBackend::Composed => 0.0,
         },
         segments: layers.max(1),

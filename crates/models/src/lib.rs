@@ -56,14 +56,14 @@ mod reference;
 pub mod sample;
 pub mod split;
 
-pub use config::{ops_serde, GptConfig};
+pub use config::{ops_serde, precision_serde, GptConfig};
 pub use error::ModelError;
 pub use gpt::{GptStage, INIT_STD, LN_EPS};
 pub use mlp::{MlpConfig, MlpStage};
 pub use model::{Activations, Footprint, Model, ModelStage, Tied};
 pub use reference::ReferenceGpt;
 pub use split::{plan_stages, LayerCosts, SplitSpec, StagePlan};
-pub use switchyard_shard::OpsBackend;
+pub use switchyard_shard::{OpsBackend, Precision};
 
 /// The per-token costs of the GPT's parts, for [`SplitSpec::Balanced`]: training FLOPs
 /// of each block (all alike), of the embeddings (a lookup, nearly free) and of the head

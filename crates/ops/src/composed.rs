@@ -20,7 +20,7 @@ use candle_core::{
     Tensor, D,
 };
 
-use crate::{LinearOptions, PairOptions, PairWeights, Reduce};
+use crate::{LinearOptions, PairOptions, PairWeights, Precision, Reduce};
 
 const GELU_C: f64 = 0.797_884_560_802_865_4; // √(2/π)
 const GELU_A: f64 = 0.044_715;
@@ -59,7 +59,11 @@ pub(crate) fn linear_with(
     if let Some(r) = &opts.reduce_input_grad {
         x = reduce_grad(&x, r)?;
     }
-    let mut y = x.matmul(&w.t()?)?;
+    let bf16 = opts.precision == Precision::Bf16;
+    let mut y = match bf16 {
+        true => round_bf16(&x)?.matmul(&round_bf16(w)?.t()?)?,
+        false => x.matmul(&w.t()?)?,
+    };
     if let Some(r) = &opts.reduce_output {
         y = reduce_value(&y, r)?;
     }
@@ -68,10 +72,17 @@ pub(crate) fn linear_with(
     }
     *dims.last_mut().expect("rank ≥ 2") = w.dim(0)?;
     let y = y.reshape(dims)?;
-    match opts.gelu {
-        true => gelu(&y),
-        false => Ok(y),
+    match (opts.gelu, bf16) {
+        (true, true) => gelu(&round_bf16(&y)?),
+        (true, false) => gelu(&y),
+        (false, _) => Ok(y),
     }
+}
+
+/// `x` rounded to the nearest bf16, as the same dtype (differentiable: the gradient is
+/// rounded on its way back).
+pub(crate) fn round_bf16(x: &Tensor) -> Result<Tensor> {
+    x.to_dtype(DType::BF16)?.to_dtype(x.dtype())
 }
 
 /// The column-then-row pair of [`crate::mlp_with`] (`heads = None`, GELU in the middle)
@@ -85,6 +96,9 @@ pub(crate) fn pair(
     let (first, second) = pair_halves(opts, heads.is_none());
     let mut h = linear_with(x, &w.w[0], w.b[0].as_ref(), &first)?;
     if let Some(n) = heads {
+        if opts.precision == Precision::Bf16 {
+            h = round_bf16(&h)?;
+        }
         h = causal_attention_packed(&h, n)?;
     }
     linear_with(&h, &w.w[1], w.b[1].as_ref(), &second)
@@ -95,10 +109,12 @@ pub(crate) fn pair_halves(opts: &PairOptions, gelu: bool) -> (LinearOptions, Lin
     let first = LinearOptions {
         gelu,
         reduce_input_grad: opts.reduce_input_grad.clone(),
+        precision: opts.precision,
         ..LinearOptions::default()
     };
     let second = LinearOptions {
         reduce_output: opts.reduce_output.clone(),
+        precision: opts.precision,
         ..LinearOptions::default()
     };
     (first, second)

@@ -87,7 +87,7 @@ macro_rules! simd {
 pub(crate) use simd;
 
 /// The float types the fused kernels support.
-pub(crate) trait Float: WithDType {
+pub(crate) trait Float: WithDType + crate::bf16::Bf16Product {
     const NEG_INF: Self;
     fn exp(self) -> Self;
     fn ln(self) -> Self;

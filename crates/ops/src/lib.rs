@@ -95,6 +95,7 @@ mod linear;
 mod loss;
 mod mlp;
 mod norm;
+mod precision;
 mod sgemm;
 #[cfg(test)]
 mod twins;
@@ -108,6 +109,7 @@ pub use linear::{linear, linear_gelu, linear_with, LinearOptions, Reduce};
 pub use loss::{cross_entropy, cross_entropy_parallel};
 pub use mlp::{attention_block, attention_block_with, mlp, mlp_with, PairOptions, PairWeights};
 pub use norm::layer_norm;
+pub use precision::{ParsePrecisionError, Precision};
 
 #[cfg(doc)]
 use candle_core::Tensor;

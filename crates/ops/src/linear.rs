@@ -21,7 +21,8 @@ use rayon::prelude::*;
 
 use crate::gelu::{gelu_backward, gelu_forward};
 use crate::kernel::{self, matmul, simd, slice, view, Dst, Float, Mat, Uninit};
-use crate::{composed, OpsBackend};
+
+use crate::{composed, OpsBackend, Precision};
 
 /// A collective that a fused op applies to a tensor it computes, e.g. an all-reduce (sum)
 /// over a tensor-parallel group. Every rank of the group must call it in the same order.
@@ -39,6 +40,8 @@ pub struct LinearOptions {
     pub reduce_input_grad: Option<Reduce>,
     /// The fused kernel or its composed twin ([`OpsBackend`]).
     pub backend: OpsBackend,
+    /// What the products multiply in ([`Precision`]); `Bf16` takes f32 tensors.
+    pub precision: Precision,
 }
 
 /// `y = x · wᵀ + b` for `x` of shape `[.., in]` (rank 2 or 3, e.g. `[N, in]` or
@@ -67,6 +70,7 @@ pub fn linear_with(
     opts: &LinearOptions,
 ) -> Result<Tensor> {
     check_shapes("linear", x, w, b)?;
+    check_precision("linear", opts.precision, x)?;
     if !opts.backend.fuses(x) {
         return composed::linear_with(x, w, b, opts);
     }
@@ -108,6 +112,36 @@ pub(crate) fn check_shapes(
         }
     }
     Ok((out_f, in_f))
+}
+
+/// Refuses [`Precision::Bf16`] for anything but f32 tensors; errors name `op`.
+pub(crate) fn check_precision(op: &str, precision: Precision, x: &Tensor) -> Result<()> {
+    if precision == Precision::Bf16 && x.dtype() != DType::F32 {
+        bail!(
+            "{op}: bf16 precision multiplies f32 tensors (f32 master weights), got {:?}",
+            x.dtype()
+        );
+    }
+    Ok(())
+}
+
+/// `dst = (Add ? dst : 0) + a · b` at `prec`: the f32 (or f64) product of
+/// [`kernel::matmul`], or bf16 products with f32 sums ([`crate::bf16`]).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn product<T: Float>(
+    prec: Precision,
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: Dst<T>,
+    ld: usize,
+    a: Mat<T>,
+    b: Mat<T>,
+) {
+    match prec {
+        Precision::F32 => matmul(m, n, k, dst, ld, a, b, true),
+        Precision::Bf16 => T::product_bf16(m, n, k, dst, ld, a, b),
+    }
 }
 
 struct Linear {
@@ -173,6 +207,7 @@ pub(crate) fn affine_forward<T: Float>(
     b: Option<&[T]>,
     out: usize,
     reduce: Option<&Reduce>,
+    prec: Precision,
 ) -> Result<Vec<T>> {
     let rows = x.len() / in_f.max(1);
     let mut y = Uninit::<T>::new(rows * out)?;
@@ -187,11 +222,12 @@ pub(crate) fn affine_forward<T: Float>(
             }
             // SAFETY: each of the `rows` rows of `out` elements now holds the bias.
             let mut y = unsafe { y.assume_init() };
-            matmul(rows, out, in_f, Dst::Add(&mut y), out, xm, wm.t(), true);
+            product(prec, rows, out, in_f, Dst::Add(&mut y), out, xm, wm.t());
             y
         }
         _ => {
-            matmul(
+            product(
+                prec,
                 rows,
                 out,
                 in_f,
@@ -199,7 +235,6 @@ pub(crate) fn affine_forward<T: Float>(
                 out,
                 xm,
                 wm.t(),
-                true,
             );
             // SAFETY: the product wrote all `rows × out` elements (row stride `out`).
             unsafe { y.assume_init() }
@@ -223,11 +258,13 @@ pub(crate) fn affine_input_grad<T: Float>(
     ldw: usize,
     in_f: usize,
     out: usize,
+    prec: Precision,
 ) -> Result<Vec<T>> {
     let rows = g.len() / out.max(1);
     let mut dx = Uninit::<T>::new(rows * in_f)?;
     let (gm, wm) = (Mat::rows(g, out), Mat::rows(w, ldw));
-    matmul(
+    product(
+        prec,
         rows,
         in_f,
         out,
@@ -235,7 +272,6 @@ pub(crate) fn affine_input_grad<T: Float>(
         in_f,
         gm,
         wm,
-        true,
     );
     // SAFETY: the product wrote all `rows × in` elements (row stride `in`).
     Ok(unsafe { dx.assume_init() })
@@ -252,11 +288,13 @@ pub(crate) fn input_grad<T: Float>(
     in_f: usize,
     out: usize,
     reduce: Option<&Reduce>,
+    prec: Precision,
 ) -> Result<Option<Tensor>> {
     if !x.track_op() {
         return Ok(None);
     }
-    let dx = kernel::tensor(affine_input_grad(g, w, ldw, in_f, out)?, x.shape().clone())?;
+    let dx = affine_input_grad(g, w, ldw, in_f, out, prec)?;
+    let dx = kernel::tensor(dx, x.shape().clone())?;
     Ok(Some(match reduce {
         Some(reduce) => reduce(&dx)?,
         None => dx,
@@ -272,6 +310,7 @@ pub(crate) fn affine_weight_grad<T: Float>(
     out: usize,
     ld: usize,
     bias_column: bool,
+    prec: Precision,
 ) -> Result<Vec<T>> {
     let rows = x.len() / in_f.max(1);
     if ld != in_f + bias_column as usize {
@@ -279,7 +318,8 @@ pub(crate) fn affine_weight_grad<T: Float>(
     }
     let mut dw = Uninit::<T>::new(out * ld)?;
     let (gm, xm) = (Mat::rows(g, out), Mat::rows(x, in_f));
-    matmul(
+    product(
+        prec,
         out,
         in_f,
         rows,
@@ -287,7 +327,6 @@ pub(crate) fn affine_weight_grad<T: Float>(
         ld,
         gm.t(),
         xm,
-        true,
     );
     if bias_column {
         let dw = dw.as_mut();
@@ -319,14 +358,18 @@ impl Linear {
     ) -> Result<(CpuStorage, Shape)> {
         let (out_f, in_f) = w_layout.shape().dims2()?;
         let reduce = self.opts.reduce_output.as_ref();
-        let y = affine_forward(x, in_f, w, in_f, b, out_f, reduce)?;
+        let prec = self.opts.precision;
+        let mut y = affine_forward(x, in_f, w, in_f, b, out_f, reduce, prec)?;
         let mut out_dims = shape.dims().to_vec();
         *out_dims.last_mut().expect("rank ≥ 2") = out_f;
         if !self.opts.gelu {
             return Ok((T::to_cpu_storage_owned(y), Shape::from(out_dims)));
         }
+        if prec == Precision::Bf16 {
+            T::round_bf16(&mut y);
+        }
         let out = gelu_forward(&y)?;
-        let _ = self.pre.set(T::to_cpu_storage_owned(y));
+        let _ = self.pre.set(T::keep(y, prec));
         Ok((T::to_cpu_storage_owned(out), Shape::from(out_dims)))
     }
 
@@ -348,14 +391,14 @@ impl Linear {
             let Some(pre) = self.pre.get() else {
                 bail!("{name}: backward before forward")
             };
-            let pre = T::cpu_storage_as_slice(pre)?;
-            Cow::Owned(gelu_backward(pre, g)?)
+            Cow::Owned(gelu_backward(&T::kept(pre)?, g)?)
         } else {
             Cow::Borrowed(g)
         };
         let reduce = self.opts.reduce_input_grad.as_ref();
-        let dx = input_grad(x, &g, ws, in_f, in_f, out_f, reduce)?;
-        let dw = affine_weight_grad(&g, xs, in_f, out_f, in_f, false)?;
+        let prec = self.opts.precision;
+        let dx = input_grad(x, &g, ws, in_f, in_f, out_f, reduce, prec)?;
+        let dw = affine_weight_grad(&g, xs, in_f, out_f, in_f, false, prec)?;
         let dw = kernel::tensor(dw, (out_f, in_f))?;
         let db = match has_bias {
             true => Some(kernel::tensor(column_sums(&g, out_f), out_f)?),

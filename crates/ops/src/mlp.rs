@@ -31,8 +31,10 @@ use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Ten
 use crate::attention::AttentionEpilogue;
 use crate::gelu::{gelu_backward, gelu_forward};
 use crate::kernel::{self, slice, view, Float};
-use crate::linear::{affine_forward, affine_input_grad, affine_weight_grad, input_grad, Reduce};
-use crate::{composed, OpsBackend};
+use crate::linear::{
+    affine_forward, affine_input_grad, affine_weight_grad, check_precision, input_grad, Reduce,
+};
+use crate::{composed, OpsBackend, Precision};
 
 /// The collectives around [`mlp`] and [`attention_block`] (tensor parallelism).
 #[derive(Clone, Default)]
@@ -50,6 +52,11 @@ pub struct PairOptions {
     /// kernel runs on the same input, so the gradients are those without it. The
     /// attention and the composed twin ignore it.
     pub recompute_gelu: bool,
+    /// What the products multiply in and what the op keeps for its backward
+    /// ([`Precision`]): at `Bf16` the pre-activation is rounded to bf16 before the
+    /// middle function, and the pre-activation and the middle function's output are kept
+    /// as bf16 (half the bytes). `Bf16` takes f32 tensors.
+    pub precision: Precision,
 }
 
 /// The weights of a column-then-row pair, each fused with its bias as a last column
@@ -192,6 +199,15 @@ fn check(what: &str, x: &Tensor, w: &PairWeights, mid: usize) -> Result<()> {
 /// The fused pair, or its composed twin (another backend, dtype or device).
 fn pair(x: &Tensor, w: &PairWeights, heads: Option<usize>, opts: &PairOptions) -> Result<Tensor> {
     let [(n1, d), (out, mid)] = w.dims()?;
+    check_precision(
+        if heads.is_some() {
+            "attention_block"
+        } else {
+            "mlp"
+        },
+        opts.precision,
+        x,
+    )?;
     if !opts.backend.fuses(x) || w.fused[0].dtype() != x.dtype() || !w.fused[0].device().is_cpu() {
         return composed::pair(x, w, heads, opts);
     }
@@ -221,7 +237,7 @@ struct Pair {
     /// The middle function: attention, or GELU when `None`.
     attention: Option<AttentionEpilogue>,
     /// `pre` and `h = mid(pre)`, for the backward pass (`h` recomputed there instead
-    /// under [`PairOptions::recompute_gelu`]).
+    /// under [`PairOptions::recompute_gelu`]); bf16 at [`Precision::Bf16`].
     saved: OnceLock<(CpuStorage, Option<CpuStorage>)>,
 }
 
@@ -261,19 +277,24 @@ impl Pair {
             on.then(|| (0..n).map(|i| w[i * ld + ld - 1]).collect())
         };
         let b1 = bias(self.bias[0], w1, n1, ld1);
-        let pre = affine_forward(x, d, w1, ld1, b1.as_deref(), n1, None)?;
+        let prec = self.opts.precision;
+        let mut pre = affine_forward(x, d, w1, ld1, b1.as_deref(), n1, None, prec)?;
+        if prec == Precision::Bf16 {
+            // The middle function and the backward see the same (bf16) values.
+            T::round_bf16(&mut pre);
+        }
         let h = match &self.attention {
             Some(attn) => attn.forward(&pre, &self.pre_shape(shape))?.0,
             None => gelu_forward(&pre)?,
         };
         let b2 = bias(self.bias[1], w2, out, ld2);
         let reduce = self.opts.reduce_output.as_ref();
-        let y = affine_forward(&h, mid, w2, ld2, b2.as_deref(), out, reduce)?;
+        let y = affine_forward(&h, mid, w2, ld2, b2.as_deref(), out, reduce, prec)?;
         let h = match self.recomputes_h() {
             true => None,
-            false => Some(T::to_cpu_storage_owned(h)),
+            false => Some(T::keep(h, prec)),
         };
-        let _ = self.saved.set((T::to_cpu_storage_owned(pre), h));
+        let _ = self.saved.set((T::keep(pre, prec), h));
         let mut dims = shape.dims().to_vec();
         *dims.last_mut().expect("rank ≥ 2") = out;
         Ok((T::to_cpu_storage_owned(y), Shape::from(dims)))
@@ -292,15 +313,12 @@ impl Pair {
         let Some((pre, h)) = self.saved.get() else {
             bail!("{}: backward before forward", Self::NAME)
         };
-        let pre = T::cpu_storage_as_slice(pre)?;
-        let recomputed;
+        let pre = T::kept(pre)?;
         let h = match h {
-            Some(h) => T::cpu_storage_as_slice(h)?,
-            None => {
-                recomputed = gelu_forward(pre)?;
-                &recomputed[..]
-            }
+            Some(h) => T::kept(h)?,
+            None => gelu_forward(&pre)?.into(),
         };
+        let (pre, h, prec) = (&pre[..], &h[..], self.opts.precision);
         let grad = grad.contiguous()?;
         let n = Self::NAME;
         let (xv, w1v, w2v, gv) = (view(x, n)?, view(w1, n)?, view(w2, n)?, view(&grad, n)?);
@@ -312,16 +330,16 @@ impl Pair {
         );
         // The second affine map (`g`'s backward is the identity), then the middle
         // function, then the first.
-        let dw2 = affine_weight_grad(g, h, mid, out, ld2, self.bias[1])?;
-        let dh = affine_input_grad(g, w2s, ld2, mid, out)?;
+        let dw2 = affine_weight_grad(g, h, mid, out, ld2, self.bias[1], prec)?;
+        let dh = affine_input_grad(g, w2s, ld2, mid, out, prec)?;
         let dpre = match &self.attention {
             Some(attn) => attn.backward(pre, h, &dh, &self.pre_shape(x.shape()))?,
             None => gelu_backward(pre, &dh)?,
         };
         drop(dh);
-        let dw1 = affine_weight_grad(&dpre, xs, d, n1, ld1, self.bias[0])?;
+        let dw1 = affine_weight_grad(&dpre, xs, d, n1, ld1, self.bias[0], prec)?;
         let reduce = self.opts.reduce_input_grad.as_ref();
-        let dx = input_grad(x, &dpre, w1s, ld1, d, n1, reduce)?;
+        let dx = input_grad(x, &dpre, w1s, ld1, d, n1, reduce, prec)?;
         Ok((
             dx,
             kernel::tensor(dw1, (n1, ld1))?,

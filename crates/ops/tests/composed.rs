@@ -72,6 +72,7 @@ fn linear_with_gelu_bias_and_hooks() {
                 reduce_output: hooks.then(|| double.clone()),
                 reduce_input_grad: hooks.then(|| double.clone()),
                 backend,
+                ..LinearOptions::default()
             };
             linear_with(&t[0], &t[1], bias.then_some(&t[2]), &opts).unwrap()
         });

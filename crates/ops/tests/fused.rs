@@ -97,6 +97,7 @@ fn check_pair(
                     reduce_input_grad: hooks.then(|| double.clone()),
                     backend,
                     recompute_gelu,
+                    ..PairOptions::default()
                 };
                 let kept = PairOptions {
                     recompute_gelu: false,

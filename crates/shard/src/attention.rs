@@ -118,7 +118,7 @@ impl ParallelSelfAttention {
     /// tensor of candle's graph.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         x.dims3()?;
-        let opts = pair_options(self.c_attn.comm(), self.c_attn.ops());
+        let opts = pair_options(&self.c_attn);
         let w = self.fused.weights(&self.c_attn, &self.c_proj)?;
         attention_block_with(x, &w, self.local_heads, &opts).map_err(|e| {
             e.context(format!(

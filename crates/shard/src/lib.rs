@@ -99,7 +99,7 @@ pub use loss::{vocab_parallel_cross_entropy, vocab_parallel_cross_entropy_with};
 pub use mlp::ParallelMlp;
 pub use param::{Builder, Init, Param, ParamSource, ParamStore};
 pub use spec::{gather_full_tensor, ShardSpec};
-pub use switchyard_ops::OpsBackend;
+pub use switchyard_ops::{OpsBackend, Precision};
 
 /// The tensor-parallel group a layer computes over (size 1: no tensor parallelism).
 ///

@@ -21,7 +21,9 @@ use std::sync::Arc;
 
 use candle_core::{Module, Result, Tensor, Var};
 use switchyard_comm::{Communicator, ReduceOp};
-use switchyard_ops::{linear_with, LinearOptions, OpsBackend, PairOptions, PairWeights, Reduce};
+use switchyard_ops::{
+    linear_with, LinearOptions, OpsBackend, PairOptions, PairWeights, Precision, Reduce,
+};
 
 use crate::collectives::{gather_from_region, scatter_to_region};
 use crate::error::ShardError;
@@ -141,14 +143,17 @@ fn pair_weights(col: &ColumnParallelLinear, row: &RowParallelLinear) -> Result<P
 }
 
 /// The collectives of a column-then-row pair fused into one op: `f` (all-reduce of the
-/// input gradient) and `g` (all-reduce of the output); none on a group of one.
-pub(crate) fn pair_options(comm: &Arc<dyn Communicator>, backend: OpsBackend) -> PairOptions {
+/// input gradient) and `g` (all-reduce of the output); none on a group of one. The
+/// backend and precision are the first (column-parallel) layer's.
+pub(crate) fn pair_options(first: &ColumnParallelLinear) -> PairOptions {
+    let comm = first.comm();
     let hook = (comm.world_size() > 1).then(|| all_reduce_hook(comm));
     PairOptions {
         reduce_output: hook.clone(),
         reduce_input_grad: hook,
-        backend,
+        backend: first.ops(),
         recompute_gelu: false,
+        precision: first.precision(),
     }
 }
 
@@ -212,6 +217,7 @@ pub struct ColumnParallelLinear {
     blocks: usize,
     gather_output: bool,
     ops: OpsBackend,
+    precision: Precision,
 }
 
 impl ColumnParallelLinear {
@@ -247,6 +253,7 @@ impl ColumnParallelLinear {
             blocks: cfg.blocks,
             gather_output: cfg.gather_output,
             ops: vb.ops(),
+            precision: vb.precision(),
         })
     }
 
@@ -272,7 +279,11 @@ impl ColumnParallelLinear {
             ShardSpec::padded(0, vocab_size),
             weight_init,
         )?;
-        Ok(ColumnParallelLinear::from_weight(name, weight, comm, false)?.with_ops(vb.ops()))
+        Ok(
+            ColumnParallelLinear::from_weight(name, weight, comm, false)?
+                .with_ops(vb.ops())
+                .with_precision(vb.precision()),
+        )
     }
 
     /// A column-parallel layer without bias over an existing local weight of shape
@@ -297,6 +308,7 @@ impl ColumnParallelLinear {
             blocks: 1,
             gather_output,
             ops: OpsBackend::Fused,
+            precision: Precision::F32,
         })
     }
 
@@ -310,6 +322,18 @@ impl ColumnParallelLinear {
     /// The ops backend this layer computes with.
     pub fn ops(&self) -> OpsBackend {
         self.ops
+    }
+
+    /// The layer multiplying at `precision` ([`Precision`]; a layer made by
+    /// [`ColumnParallelLinear::new`] takes its builder's).
+    pub fn with_precision(mut self, precision: Precision) -> Self {
+        self.precision = precision;
+        self
+    }
+
+    /// The precision this layer multiplies at.
+    pub fn precision(&self) -> Precision {
+        self.precision
     }
 
     /// `x` `[.., in]` (replicated) to `[.., out/p]` (this rank's slice), or `[.., out]`
@@ -334,6 +358,7 @@ impl ColumnParallelLinear {
             reduce_output: None,
             reduce_input_grad: (self.comm.world_size() > 1).then(|| all_reduce_hook(&self.comm)),
             backend: self.ops,
+            precision: self.precision,
         };
         let y = linear_with(
             x,
@@ -440,6 +465,7 @@ pub struct RowParallelLinear {
     out_features: usize,
     input_is_parallel: bool,
     ops: OpsBackend,
+    precision: Precision,
 }
 
 impl RowParallelLinear {
@@ -478,6 +504,7 @@ impl RowParallelLinear {
             out_features,
             input_is_parallel: cfg.input_is_parallel,
             ops: vb.ops(),
+            precision: vb.precision(),
         })
     }
 
@@ -493,6 +520,7 @@ impl RowParallelLinear {
             reduce_output: (self.comm.world_size() > 1).then(|| all_reduce_hook(&self.comm)),
             reduce_input_grad: None,
             backend: self.ops,
+            precision: self.precision,
         };
         // One fused op: the partial product, `g` (all-reduce forward, identity backward)
         // and the bias, added once after the reduction.

@@ -75,7 +75,7 @@ impl ParallelMlp {
         // `g` on the output; the `[.., hidden/p]` activation never leaves it.
         let opts = PairOptions {
             recompute_gelu: self.recompute_gelu,
-            ..pair_options(self.c_fc.comm(), self.c_fc.ops())
+            ..pair_options(&self.c_fc)
         };
         let w = self.fused.weights(&self.c_fc, &self.c_proj)?;
         mlp_with(x, &w, &opts)

@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use candle_core::{DType, Device, Result, Tensor, Var};
 use switchyard_comm::Communicator;
-use switchyard_ops::OpsBackend;
+use switchyard_ops::{OpsBackend, Precision};
 
 use crate::error::{invalid, ShardError};
 use crate::rng::SplitMix64;
@@ -173,6 +173,7 @@ impl ParamStore {
             prefix: String::new(),
             shared: false,
             ops: OpsBackend::Fused,
+            precision: Precision::F32,
             selective_recompute: self
                 .0
                 .selective_recompute
@@ -375,6 +376,8 @@ pub struct Builder {
     shared: bool,
     /// [`Builder::with_ops`]: the ops backend of the layers built through this builder.
     ops: OpsBackend,
+    /// [`Builder::with_precision`].
+    precision: Precision,
     /// [`Builder::selective_recompute`].
     selective_recompute: bool,
 }
@@ -387,6 +390,7 @@ impl Builder {
             prefix: self.path(s.as_ref()),
             shared: self.shared,
             ops: self.ops,
+            precision: self.precision,
             selective_recompute: self.selective_recompute,
         }
     }
@@ -419,6 +423,7 @@ impl Builder {
             prefix: self.prefix.clone(),
             shared: true,
             ops: self.ops,
+            precision: self.precision,
             selective_recompute: self.selective_recompute,
         }
     }
@@ -437,6 +442,22 @@ impl Builder {
     /// The ops backend of the layers built through this builder ([`Builder::with_ops`]).
     pub fn ops(&self) -> OpsBackend {
         self.ops
+    }
+
+    /// A builder (and the builders [`Builder::pp`] derives from it) whose layers multiply
+    /// at `precision` ([`Precision`]: f32, or bf16 products with f32 sums and bf16 saved
+    /// activations). A model passes its configuration's choice here; nothing is global.
+    pub fn with_precision(&self, precision: Precision) -> Builder {
+        Builder {
+            precision,
+            ..self.clone()
+        }
+    }
+
+    /// The precision of the layers built through this builder
+    /// ([`Builder::with_precision`]).
+    pub fn precision(&self) -> Precision {
+        self.precision
     }
 
     /// Whether the layers built through this builder recompute the cheap parts of their

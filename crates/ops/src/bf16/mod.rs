@@ -36,12 +36,16 @@
 //!
 //! [`linear_bf16`] is the first op built on these products, with its backward.
 
+use std::borrow::Cow;
 use std::sync::OnceLock;
+
+use candle_core::CpuStorage;
 
 use half::bf16;
 use rayon::prelude::*;
 
 use crate::kernel::{Dst, Mat, SharedMut, Uninit};
+use crate::Precision;
 
 #[cfg(all(target_arch = "x86_64", target_os = "linux", not(miri)))]
 mod amx;
@@ -113,6 +117,10 @@ impl std::fmt::Display for Bf16Kernel {
 /// (ties to even) as it is packed.
 pub(crate) trait ToBf16: Copy + Send + Sync {
     fn bits(self) -> u16;
+    /// `dst[i] = src[i].bits()` (vectorised for f32 on AVX-512 CPUs).
+    fn row_bits(src: &[Self], dst: &mut [u16]) {
+        dst.iter_mut().zip(src).for_each(|(d, s)| *d = s.bits());
+    }
     /// The value itself, in f32 (exact).
     fn f32(self) -> f32;
 }
@@ -129,6 +137,25 @@ impl ToBf16 for bf16 {
 impl ToBf16 for f32 {
     fn bits(self) -> u16 {
         round_to_bf16(self)
+    }
+    fn row_bits(src: &[f32], dst: &mut [u16]) {
+        #[inline(always)]
+        fn body(src: &[f32], dst: &mut [u16]) {
+            dst.iter_mut()
+                .zip(src)
+                .for_each(|(d, &s)| *d = round_to_bf16(s));
+        }
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = "avx512f,avx512vl,avx512bw")]
+        unsafe fn v4(src: &[f32], dst: &mut [u16]) {
+            body(src, dst)
+        }
+        #[cfg(target_arch = "x86_64")]
+        if crate::kernel::avx512() {
+            // SAFETY: the CPU supports every feature `v4` is compiled for.
+            return unsafe { v4(src, dst) };
+        }
+        body(src, dst)
     }
     fn f32(self) -> f32 {
         self
@@ -157,6 +184,96 @@ pub(crate) fn to_bf16_vec(x: &[f32]) -> Vec<bf16> {
         .collect()
 }
 
+/// What the fused ops do at [`Precision::Bf16`], for each of their element types: f32
+/// rounds the operands of its products to bf16 as it packs them and sums in f32 (on
+/// [`Bf16Kernel::best`]), and keeps its saved activations as bf16. f64 never runs at
+/// bf16 (the ops refuse bf16 precision for anything but f32): its products stay f64 and
+/// what it keeps stays f64.
+pub(crate) trait Bf16Product: Sized + Copy {
+    #[allow(clippy::too_many_arguments)]
+    fn product_bf16(
+        m: usize,
+        n: usize,
+        k: usize,
+        dst: Dst<Self>,
+        ld: usize,
+        a: Mat<Self>,
+        b: Mat<Self>,
+    );
+
+    /// Rounds `x` to bf16 values in place (f32); leaves f64 alone.
+    fn round_bf16(x: &mut [Self]);
+
+    /// `x` as the storage an op keeps for its backward: bf16 at [`Precision::Bf16`]
+    /// (f32 only), `x` itself otherwise.
+    fn keep(x: Vec<Self>, prec: Precision) -> CpuStorage;
+
+    /// What [`Bf16Product::keep`] made, back in this type (bf16 widened, exactly).
+    fn kept(s: &CpuStorage) -> candle_core::Result<Cow<'_, [Self]>>;
+}
+
+impl Bf16Product for f32 {
+    fn product_bf16(
+        m: usize,
+        n: usize,
+        k: usize,
+        dst: Dst<f32>,
+        ld: usize,
+        a: Mat<f32>,
+        b: Mat<f32>,
+    ) {
+        gemm(Bf16Kernel::best(), m, n, k, dst, ld, a, b)
+    }
+
+    fn round_bf16(x: &mut [f32]) {
+        for v in x.iter_mut() {
+            *v = f32::from_bits((round_to_bf16(*v) as u32) << 16);
+        }
+    }
+
+    fn keep(x: Vec<f32>, prec: Precision) -> CpuStorage {
+        match prec {
+            Precision::Bf16 => CpuStorage::BF16(to_bf16_vec(&x)),
+            Precision::F32 => CpuStorage::F32(x),
+        }
+    }
+
+    fn kept(s: &CpuStorage) -> candle_core::Result<Cow<'_, [f32]>> {
+        Ok(match s {
+            CpuStorage::BF16(v) => Cow::Owned(
+                v.iter()
+                    .map(|b| f32::from_bits((b.to_bits() as u32) << 16))
+                    .collect(),
+            ),
+            s => Cow::Borrowed(s.as_slice::<f32>()?),
+        })
+    }
+}
+
+impl Bf16Product for f64 {
+    fn product_bf16(
+        m: usize,
+        n: usize,
+        k: usize,
+        dst: Dst<f64>,
+        ld: usize,
+        a: Mat<f64>,
+        b: Mat<f64>,
+    ) {
+        crate::kernel::matmul(m, n, k, dst, ld, a, b, true)
+    }
+
+    fn round_bf16(_: &mut [f64]) {}
+
+    fn keep(x: Vec<f64>, _: Precision) -> CpuStorage {
+        CpuStorage::F64(x)
+    }
+
+    fn kept(s: &CpuStorage) -> candle_core::Result<Cow<'_, [f64]>> {
+        Ok(Cow::Borrowed(s.as_slice::<f64>()?))
+    }
+}
+
 /// The depth, rows and columns of the blocks the kernels work on.
 pub(crate) const BLOCK: usize = 32;
 
@@ -174,20 +291,36 @@ pub(crate) struct PackedA {
 pub(crate) fn pack_a<T: ToBf16>(a: Mat<T>, m: usize, k: usize) -> PackedA {
     let (mp, kp) = (round_up(m), round_up(k));
     let mut data = vec![0u16; mp * kp];
-    // Read the source along its unit stride.
-    match a.cs <= a.rs {
-        true => {
-            for (i, row) in data.chunks_exact_mut(kp).take(m).enumerate() {
-                for (p, x) in row[..k].iter_mut().enumerate() {
-                    *x = a.data[i * a.rs + p * a.cs].bits();
+    if a.cs == 1 {
+        // Rows of the source are contiguous: one converting copy a row.
+        for (i, row) in data.chunks_exact_mut(kp).take(m).enumerate() {
+            T::row_bits(&a.data[i * a.rs..][..k], &mut row[..k]);
+        }
+    } else if a.rs == 1 {
+        // A transposed operand (columns contiguous): 32 × 32 blocks, each converted
+        // along the source's columns into a tile, then written out a row (64 bytes) at a
+        // time.
+        let mut tile = [0u16; BLOCK * BLOCK];
+        for i0 in (0..m).step_by(BLOCK) {
+            let ih = (m - i0).min(BLOCK);
+            for p0 in (0..k).step_by(BLOCK) {
+                let pw = (k - p0).min(BLOCK);
+                for p in 0..pw {
+                    let src = &a.data[(p0 + p) * a.cs + i0..][..ih];
+                    T::row_bits(src, &mut tile[p * BLOCK..][..ih]);
+                }
+                for i in 0..ih {
+                    let row = &mut data[(i0 + i) * kp + p0..][..pw];
+                    for (p, x) in row.iter_mut().enumerate() {
+                        *x = tile[p * BLOCK + i];
+                    }
                 }
             }
         }
-        false => {
-            for p in 0..k {
-                for i in 0..m {
-                    data[i * kp + p] = a.data[i * a.rs + p * a.cs].bits();
-                }
+    } else {
+        for (i, row) in data.chunks_exact_mut(kp).take(m).enumerate() {
+            for (p, x) in row[..k].iter_mut().enumerate() {
+                *x = a.data[i * a.rs + p * a.cs].bits();
             }
         }
     }
@@ -209,20 +342,35 @@ pub(crate) fn pack_b<T: ToBf16>(b: Mat<T>, k: usize, n: usize) -> PackedB {
     let (kp, np) = (round_up(k), round_up(n));
     let kb = kp / BLOCK;
     let mut data = vec![0u16; kp * np];
-    // Read the source along its unit stride (a weight stored `[out, in]` is `B`
-    // transposed).
-    match b.cs <= b.rs {
-        true => {
-            for p in 0..k {
-                for c in 0..n {
-                    data[b_index(kb, p, c)] = b.data[p * b.rs + c * b.cs].bits();
+    // One 32 × 32 block at a time, each row (or column, for a transposed operand such
+    // as a weight stored `[out, in]`) of the source converted along its unit stride.
+    let mut line = [0u16; BLOCK];
+    for panel in 0..np / BLOCK {
+        let (c0, cw) = (panel * BLOCK, (n - panel * BLOCK).min(BLOCK));
+        for blk in 0..kb {
+            let (p0, pw) = (blk * BLOCK, (k - blk * BLOCK).min(BLOCK));
+            let dst = &mut data[(panel * kb + blk) * B_BLOCK..][..B_BLOCK];
+            let at = |p: usize, c: usize| (c / 16) * 512 + (p / 2) * 32 + (c % 16) * 2 + p % 2;
+            let src = &b.data[p0 * b.rs + c0 * b.cs..];
+            if b.cs == 1 {
+                for p in 0..pw {
+                    T::row_bits(&src[p * b.rs..][..cw], &mut line[..cw]);
+                    for (c, &x) in line[..cw].iter().enumerate() {
+                        dst[at(p, c)] = x;
+                    }
                 }
-            }
-        }
-        false => {
-            for c in 0..n {
-                for p in 0..k {
-                    data[b_index(kb, p, c)] = b.data[p * b.rs + c * b.cs].bits();
+            } else if b.rs == 1 {
+                for c in 0..cw {
+                    T::row_bits(&src[c * b.cs..][..pw], &mut line[..pw]);
+                    for (p, &x) in line[..pw].iter().enumerate() {
+                        dst[at(p, c)] = x;
+                    }
+                }
+            } else {
+                for p in 0..pw {
+                    for c in 0..cw {
+                        dst[at(p, c)] = src[p * b.rs + c * b.cs].bits();
+                    }
                 }
             }
         }

@@ -54,11 +54,29 @@ fn every_kernel_is_the_product_of_the_bf16_values_summed_in_f32() {
         let a = round(&test_data(m * k, 1, 2.0));
         let b = round(&test_data(k * n, 2, 2.0));
         let (bt_data, at_data) = (transpose(&b, k, n), transpose(&a, m, k));
-        // Row-major, and each operand transposed (a weight stored [out, in]).
+        // Every other element: neither stride is 1 (packing's general path).
+        let spread = |x: &[bf16]| -> Vec<bf16> {
+            x.iter().flat_map(|&v| [v, bf16::from_f32(7.0)]).collect()
+        };
+        let (a2, b2) = (spread(&a), spread(&b));
+        // Row-major, each operand transposed (a weight stored [out, in]), strided.
         let layouts = [
             (Mat::rows(&a, k), Mat::rows(&b, n), "a · b"),
             (Mat::rows(&at_data, m).t(), Mat::rows(&b, n), "(aᵀ)ᵀ · b"),
             (Mat::rows(&a, k), Mat::rows(&bt_data, k).t(), "a · (bᵀ)ᵀ"),
+            (
+                Mat {
+                    data: &a2,
+                    rs: 2 * k,
+                    cs: 2,
+                },
+                Mat {
+                    data: &b2,
+                    rs: 2 * n,
+                    cs: 2,
+                },
+                "strided a · strided b",
+            ),
         ];
         for (am, bm, form) in layouts {
             let want = reference(am, bm, m, n, k);
