@@ -6,7 +6,7 @@
 //! panel's block of `B` (stride 64 bytes), and four `TDPBF16PS` add their products.
 //! Rust has no stable AMX intrinsics; the kernel is inline assembly, one block for the
 //! whole depth so that the tiles (which the compiler knows nothing of) live in one
-//! `asm!`.
+//! `asm!`. The tile configuration is loaded once per task ([`Tiles`]), not per block.
 //!
 //! Linux hands a process the 8 KiB tile state only on request
 //! (`arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`, once for every thread of the
@@ -27,6 +27,45 @@ struct TileConfig {
     colsb: [u16; 16],
     /// Rows of each tile.
     rows: [u8; 16],
+}
+
+/// The tile configuration of the micro-kernel (eight 16 × 64-byte tiles), loaded into
+/// this thread's tile state for as long as the guard lives and released when it drops:
+/// `LDTILECFG` and `TILERELEASE` cost about as much as a block's products at short
+/// depths, so a task configures once for all its blocks. Not `Send`: the
+/// configuration belongs to the thread that loaded it.
+pub(super) struct Tiles(std::marker::PhantomData<*const ()>);
+
+impl Tiles {
+    /// Loads the configuration.
+    ///
+    /// # Safety
+    /// [`available`] returned true.
+    pub(super) unsafe fn configure() -> Tiles {
+        let mut cfg = TileConfig {
+            palette: 1,
+            start_row: 0,
+            reserved: [0; 14],
+            colsb: [0; 16],
+            rows: [0; 16],
+        };
+        for t in 0..8 {
+            cfg.colsb[t] = 64;
+            cfg.rows[t] = 16;
+        }
+        // SAFETY: the CPU has AMX and the process the tile state (the caller's
+        // contract); `cfg` is a valid palette-1 configuration, 64 bytes, aligned.
+        unsafe { asm!("ldtilecfg [{cfg}]", cfg = in(reg) &cfg, options(nostack)) };
+        Tiles(std::marker::PhantomData)
+    }
+}
+
+impl Drop for Tiles {
+    fn drop(&mut self) {
+        // SAFETY: the configuration was loaded by this thread (`Tiles` is not `Send`);
+        // releasing it touches no memory.
+        unsafe { asm!("tilerelease", options(nostack, nomem)) };
+    }
 }
 
 /// Whether this CPU has AMX-BF16 and the kernel granted this process the tile state.
@@ -63,36 +102,32 @@ fn request_tile_state() -> bool {
     ret == 0
 }
 
-/// `C[32 × 32] = (C or 0) + A · B` for 32 packed rows of `A` (`a`, rows of `kp`) and a
-/// panel of packed `B` (`kp / 32` blocks); `C` row-major at `c` with row stride `ldc`
-/// elements, read first when `accumulate`.
+/// `C[32 × 32] = (C or 0) + A · B` for 32 packed rows of `A` (`a`: `depth` elements a
+/// row, row stride `lda`) and a panel of packed `B` (`depth / 32` blocks); `C`
+/// row-major at `c` with row stride `ldc` elements, read first when `accumulate`.
+///
+/// `tiles` is this thread's loaded configuration ([`Tiles::configure`]).
 ///
 /// # Safety
-/// [`available`] returned true; `a` holds `32 · kp` elements and `panel`
-/// `kp / 32 · B_BLOCK`, `kp` a positive multiple of 32; the 32 rows of 32 f32 at `c`
+/// [`available`] returned true; `depth` is a positive multiple of 32, at most `lda`;
+/// `a` holds `31 · lda + depth` elements and `panel` `depth / 32 · B_BLOCK`; the 32 rows
+/// of 32 f32 at `c`
 /// (stride `ldc ≥ 32`) are valid for writes (and reads, initialised, when
 /// `accumulate`) and nothing else accesses them during the call.
+#[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn block(
+    _tiles: &Tiles,
     a: &[u16],
-    kp: usize,
+    lda: usize,
+    depth: usize,
     panel: &[u16],
     c: *mut f32,
     ldc: usize,
     accumulate: bool,
 ) {
-    debug_assert!(kp > 0 && kp.is_multiple_of(BLOCK) && ldc >= BLOCK);
-    debug_assert!(a.len() >= BLOCK * kp && panel.len() >= kp / BLOCK * B_BLOCK);
-    let mut cfg = TileConfig {
-        palette: 1,
-        start_row: 0,
-        reserved: [0; 14],
-        colsb: [0; 16],
-        rows: [0; 16],
-    };
-    for t in 0..8 {
-        cfg.colsb[t] = 64;
-        cfg.rows[t] = 16;
-    }
+    debug_assert!(depth > 0 && depth.is_multiple_of(BLOCK) && depth <= lda && ldc >= BLOCK);
+    debug_assert!(a.len() >= (BLOCK - 1) * lda + depth);
+    debug_assert!(panel.len() >= depth / BLOCK * B_BLOCK);
     let (ap, bp) = (a.as_ptr(), panel.as_ptr());
     // The four quarters of `C`.
     // SAFETY: offsets inside the 32 × 32 block at `c` (the caller's contract).
@@ -107,7 +142,6 @@ pub(super) unsafe fn block(
             // `tilerelease`, which leaves them as the OS expects.
             unsafe {
                 asm!(
-                    "ldtilecfg [{cfg}]",
                     $($init,)*
                     "2:",
                     "tileloadd tmm4, [{a0} + {lda}*1]",
@@ -128,15 +162,13 @@ pub(super) unsafe fn block(
                     "tilestored [{c1} + {ldc}*1], tmm1",
                     "tilestored [{c2} + {ldc}*1], tmm2",
                     "tilestored [{c3} + {ldc}*1], tmm3",
-                    "tilerelease",
-                    cfg = in(reg) &cfg,
                     a0 = inout(reg) ap => _,
-                    a1 = inout(reg) ap.add(16 * kp) => _,
-                    lda = in(reg) 2 * kp,
+                    a1 = inout(reg) ap.add(16 * lda) => _,
+                    lda = in(reg) 2 * lda,
                     b0 = inout(reg) bp => _,
                     b1 = inout(reg) bp.add(512) => _,
                     ldb = in(reg) 64usize,
-                    n = inout(reg) kp / BLOCK => _,
+                    n = inout(reg) depth / BLOCK => _,
                     c0 = in(reg) c,
                     c1 = in(reg) c1,
                     c2 = in(reg) c2,

@@ -26,36 +26,47 @@ pub(super) fn available() -> bool {
 /// Rows of the register tile.
 const MR: usize = 8;
 
-/// `c` (32 × 32, row-major) = 32 packed rows of `A` times a panel of packed `B`.
+/// `c` (32 × 32, row-major) = 32 packed rows of `A` (`depth` elements each, row stride
+/// `lda`) times a panel of packed `B` (`depth / 32` blocks).
 ///
 /// # Safety
-/// [`available`] returned true; `a` holds `32 · kp` elements and `panel`
-/// `kp / 32 · B_BLOCK`, `kp` a multiple of 32.
-pub(super) unsafe fn block(a: &[u16], kp: usize, panel: &[u16], c: &mut [f32; BLOCK * BLOCK]) {
+/// [`available`] returned true.
+pub(super) unsafe fn block(
+    a: &[u16],
+    lda: usize,
+    depth: usize,
+    panel: &[u16],
+    c: &mut [f32; BLOCK * BLOCK],
+) {
     assert!(
-        a.len() >= BLOCK * kp && panel.len() >= kp / BLOCK * B_BLOCK && kp.is_multiple_of(BLOCK)
+        depth.is_multiple_of(BLOCK)
+            && depth <= lda
+            && a.len() >= (BLOCK - 1) * lda + depth
+            && panel.len() >= depth / BLOCK * B_BLOCK
     );
     for g in 0..BLOCK / MR {
-        let rows = &a[g * MR * kp..(g + 1) * MR * kp];
+        let rows = &a[g * MR * lda..][..(MR - 1) * lda + depth];
         let out = &mut c[g * MR * BLOCK..(g + 1) * MR * BLOCK];
         // SAFETY: the CPU has the features (the caller's contract); the slices' lengths
         // were asserted above.
-        unsafe { tile(rows, kp, panel, out) };
+        unsafe { tile(rows, lda, depth, panel, out) };
     }
 }
 
-/// `out` (8 × 32) = 8 rows of `A` (`rows`, `8 · kp`) times the panel.
+/// `out` (8 × 32) = 8 rows of `A` (`rows`: `depth` elements each, row stride `lda`)
+/// times the panel.
 ///
 /// # Safety
-/// AVX-512 F and BF16; `rows.len() == 8 · kp`, `panel.len() ≥ kp / 32 · B_BLOCK`,
+/// AVX-512 F and BF16; `depth` a multiple of 32, at most `lda`;
+/// `rows.len() ≥ 7 · lda + depth`, `panel.len() ≥ depth / 32 · B_BLOCK`,
 /// `out.len() == 8 · 32`.
 #[target_feature(enable = "avx512f,avx512bf16")]
-unsafe fn tile(rows: &[u16], kp: usize, panel: &[u16], out: &mut [f32]) {
+unsafe fn tile(rows: &[u16], lda: usize, depth: usize, panel: &[u16], out: &mut [f32]) {
     let mut acc = [[_mm512_setzero_ps(); 2]; MR];
     let (ap, bp) = (rows.as_ptr(), panel.as_ptr());
-    for q in 0..kp / BLOCK {
+    for q in 0..depth / BLOCK {
         for pair in 0..BLOCK / 2 {
-            // SAFETY: block `q < kp / 32` of the panel: its two tiles' row `pair`, 64
+            // SAFETY: block `q < depth / 32` of the panel: its two tiles' row `pair`, 64
             // bytes each, inside `panel`.
             let (v0, v1) = unsafe {
                 let b = bp.add(q * B_BLOCK + pair * 32);
@@ -66,10 +77,10 @@ unsafe fn tile(rows: &[u16], kp: usize, panel: &[u16], out: &mut [f32]) {
             };
             let (v0, v1): (__m512bh, __m512bh) = (m512bh(v0), m512bh(v1));
             for (r, acc) in acc.iter_mut().enumerate() {
-                // SAFETY: row `r < 8`, depths `32·q + 2·pair` and the next, inside the row
-                // of `kp`: two u16 read as one (unaligned) u32.
+                // SAFETY: row `r < 8` (at `r · lda`), depths `32·q + 2·pair` and the next,
+                // below `depth`: inside `rows`; two u16 read as one (unaligned) u32.
                 let pair_bits = unsafe {
-                    ap.add(r * kp + q * BLOCK + 2 * pair)
+                    ap.add(r * lda + q * BLOCK + 2 * pair)
                         .cast::<u32>()
                         .read_unaligned()
                 };

@@ -44,11 +44,16 @@ use candle_core::CpuStorage;
 use half::bf16;
 use rayon::prelude::*;
 
-use crate::kernel::{Dst, Mat, SharedMut, Uninit};
+use crate::kernel::{simd, Dst, Mat, SharedMut, Uninit};
 use crate::Precision;
 
 #[cfg(all(target_arch = "x86_64", target_os = "linux", not(miri)))]
 mod amx;
+#[cfg(all(target_arch = "x86_64", target_os = "linux", not(miri)))]
+use amx::Tiles;
+/// Where AMX is not compiled in, nothing to configure.
+#[cfg(not(all(target_arch = "x86_64", target_os = "linux", not(miri))))]
+enum Tiles {}
 #[cfg(all(target_arch = "x86_64", not(miri)))]
 mod dpbf16;
 mod linear;
@@ -139,23 +144,7 @@ impl ToBf16 for f32 {
         round_to_bf16(self)
     }
     fn row_bits(src: &[f32], dst: &mut [u16]) {
-        #[inline(always)]
-        fn body(src: &[f32], dst: &mut [u16]) {
-            dst.iter_mut()
-                .zip(src)
-                .for_each(|(d, &s)| *d = round_to_bf16(s));
-        }
-        #[cfg(target_arch = "x86_64")]
-        #[target_feature(enable = "avx512f,avx512vl,avx512bw")]
-        unsafe fn v4(src: &[f32], dst: &mut [u16]) {
-            body(src, dst)
-        }
-        #[cfg(target_arch = "x86_64")]
-        if crate::kernel::avx512() {
-            // SAFETY: the CPU supports every feature `v4` is compiled for.
-            return unsafe { v4(src, dst) };
-        }
-        body(src, dst)
+        round_row::<f32>(src, dst)
     }
     fn f32(self) -> f32 {
         self
@@ -177,11 +166,54 @@ pub(crate) fn round_to_bf16(x: f32) -> u16 {
     }
 }
 
-/// `x` rounded to bf16, element by element ([`round_to_bf16`]).
+/// `x` rounded to bf16, element by element ([`round_to_bf16`]; vectorised on AVX-512).
 pub(crate) fn to_bf16_vec(x: &[f32]) -> Vec<bf16> {
-    x.iter()
-        .map(|&v| bf16::from_bits(round_to_bf16(v)))
-        .collect()
+    let mut bits = vec![0u16; x.len()];
+    f32::row_bits(x, &mut bits);
+    bits.into_iter().map(bf16::from_bits).collect()
+}
+
+/// `x` widened to f32 (exact; vectorised on AVX-512).
+pub(crate) fn widen(x: &[bf16]) -> Vec<f32> {
+    let mut out = vec![0f32; x.len()];
+    widen_row::<f32>(x, &mut out);
+    out
+}
+
+// The element loops of the conversions, compiled twice (AVX-512 chosen at run time);
+// `T` is unused (the `simd!` macro's functions are generic over the float type).
+simd! {
+    /// `dst[i] = round_to_bf16(src[i])`, sixteen at a time (one AVX-512 vector: the
+    /// packing calls it on rows of 32).
+    fn round_row<T>(src: &[f32], dst: &mut [u16]) {
+        let mut d16 = dst.chunks_exact_mut(16);
+        let mut s16 = src.chunks_exact(16);
+        for (d, s) in (&mut d16).zip(&mut s16) {
+            for i in 0..16 {
+                d[i] = round_to_bf16(s[i]);
+            }
+        }
+        let (d, s) = (d16.into_remainder(), s16.remainder());
+        d.iter_mut().zip(s).for_each(|(d, &s)| *d = round_to_bf16(s));
+    }
+}
+
+simd! {
+    /// `out[i] = x[i]` in f32 (exact).
+    fn widen_row<T>(x: &[bf16], out: &mut [f32]) {
+        out.iter_mut()
+            .zip(x)
+            .for_each(|(o, b)| *o = f32::from_bits((b.to_bits() as u32) << 16));
+    }
+}
+
+simd! {
+    /// Every element of `x` rounded to the nearest bf16, in place.
+    fn round_in_place<T>(x: &mut [f32]) {
+        for v in x.iter_mut() {
+            *v = f32::from_bits((round_to_bf16(*v) as u32) << 16);
+        }
+    }
 }
 
 /// What the fused ops do at [`Precision::Bf16`], for each of their element types: f32
@@ -226,9 +258,7 @@ impl Bf16Product for f32 {
     }
 
     fn round_bf16(x: &mut [f32]) {
-        for v in x.iter_mut() {
-            *v = f32::from_bits((round_to_bf16(*v) as u32) << 16);
-        }
+        round_in_place::<f32>(x)
     }
 
     fn keep(x: Vec<f32>, prec: Precision) -> CpuStorage {
@@ -240,11 +270,7 @@ impl Bf16Product for f32 {
 
     fn kept(s: &CpuStorage) -> candle_core::Result<Cow<'_, [f32]>> {
         Ok(match s {
-            CpuStorage::BF16(v) => Cow::Owned(
-                v.iter()
-                    .map(|b| f32::from_bits((b.to_bits() as u32) << 16))
-                    .collect(),
-            ),
+            CpuStorage::BF16(v) => Cow::Owned(widen(v)),
             s => Cow::Borrowed(s.as_slice::<f32>()?),
         })
     }
@@ -300,19 +326,27 @@ pub(crate) fn pack_a<T: ToBf16>(a: Mat<T>, m: usize, k: usize) -> PackedA {
         // A transposed operand (columns contiguous): 32 × 32 blocks, each converted
         // along the source's columns into a tile, then written out a row (64 bytes) at a
         // time.
+        // The blocks go in squares of 256 × 256, whose source and destination rows
+        // (a few hundred pages) stay in L2 and the TLB.
+        const SQUARE: usize = 8 * BLOCK;
         let mut tile = [0u16; BLOCK * BLOCK];
-        for i0 in (0..m).step_by(BLOCK) {
-            let ih = (m - i0).min(BLOCK);
-            for p0 in (0..k).step_by(BLOCK) {
-                let pw = (k - p0).min(BLOCK);
-                for p in 0..pw {
-                    let src = &a.data[(p0 + p) * a.cs + i0..][..ih];
-                    T::row_bits(src, &mut tile[p * BLOCK..][..ih]);
-                }
-                for i in 0..ih {
-                    let row = &mut data[(i0 + i) * kp + p0..][..pw];
-                    for (p, x) in row.iter_mut().enumerate() {
-                        *x = tile[p * BLOCK + i];
+        for (si, sp) in (0..m)
+            .step_by(SQUARE)
+            .flat_map(|si| (0..k).step_by(SQUARE).map(move |sp| (si, sp)))
+        {
+            for i0 in (si..(si + SQUARE).min(m)).step_by(BLOCK) {
+                let ih = (m - i0).min(BLOCK);
+                for p0 in (sp..(sp + SQUARE).min(k)).step_by(BLOCK) {
+                    let pw = (k - p0).min(BLOCK);
+                    for p in 0..pw {
+                        let src = &a.data[(p0 + p) * a.cs + i0..][..ih];
+                        T::row_bits(src, &mut tile[p * BLOCK..][..ih]);
+                    }
+                    for i in 0..ih {
+                        let row = &mut data[(i0 + i) * kp + p0..][..pw];
+                        for (p, x) in row.iter_mut().enumerate() {
+                            *x = tile[p * BLOCK + i];
+                        }
                     }
                 }
             }
@@ -345,18 +379,38 @@ pub(crate) fn pack_b<T: ToBf16>(b: Mat<T>, k: usize, n: usize) -> PackedB {
     // One 32 × 32 block at a time, each row (or column, for a transposed operand such
     // as a weight stored `[out, in]`) of the source converted along its unit stride.
     let mut line = [0u16; BLOCK];
-    for panel in 0..np / BLOCK {
+    // Blocks in the order that reads the source along its rows (row-major `B`: 32 whole
+    // rows, then every panel of them) or its columns (a transposed `B`).
+    let panels = np / BLOCK;
+    for index in 0..panels * kb {
+        let (panel, blk) = match b.cs <= b.rs {
+            true => (index % panels, index / panels),
+            false => (index / kb, index % kb),
+        };
         let (c0, cw) = (panel * BLOCK, (n - panel * BLOCK).min(BLOCK));
-        for blk in 0..kb {
+        {
             let (p0, pw) = (blk * BLOCK, (k - blk * BLOCK).min(BLOCK));
             let dst = &mut data[(panel * kb + blk) * B_BLOCK..][..B_BLOCK];
             let at = |p: usize, c: usize| (c / 16) * 512 + (p / 2) * 32 + (c % 16) * 2 + p % 2;
             let src = &b.data[p0 * b.rs + c0 * b.cs..];
             if b.cs == 1 {
-                for p in 0..pw {
+                // Two rows (depths `p`, `p + 1`) at a time, interleaved into row `p / 2`
+                // of each 16-column tile.
+                let mut next = [0u16; BLOCK];
+                for p in (0..pw).step_by(2) {
                     T::row_bits(&src[p * b.rs..][..cw], &mut line[..cw]);
-                    for (c, &x) in line[..cw].iter().enumerate() {
-                        dst[at(p, c)] = x;
+                    match p + 1 < pw {
+                        true => T::row_bits(&src[(p + 1) * b.rs..][..cw], &mut next[..cw]),
+                        false => next[..cw].fill(0),
+                    }
+                    for half in 0..2 {
+                        let row = &mut dst[half * 512 + (p / 2) * 32..][..32];
+                        let cols =
+                            (half * 16..(half * 16 + 16).min(cw)).map(|c| (line[c], next[c]));
+                        for (pair, (x, y)) in row.chunks_exact_mut(2).zip(cols) {
+                            pair[0] = x;
+                            pair[1] = y;
+                        }
                     }
                 }
             } else if b.rs == 1 {
@@ -386,9 +440,12 @@ pub(crate) fn b_index(kb: usize, p: usize, c: usize) -> usize {
     (panel * kb + block) * B_BLOCK + half * 512 + pair * 32 + col * 2 + e
 }
 
-/// Rows of `A` per task: about 256 KiB of packed `A`, a multiple of 32.
-fn rows_per_block(kp: usize) -> usize {
-    ((256 * 1024 / (2 * kp.max(1))) / BLOCK).max(1) * BLOCK
+/// Depths per chunk of the blocked product (a multiple of 32).
+const KC: usize = 512;
+
+/// Rows of `A` per task: about 256 KiB of packed `A` over `kc` depths, a multiple of 32.
+fn rows_per_block(kc: usize) -> usize {
+    ((256 * 1024 / (2 * kc.max(1))) / BLOCK).max(1) * BLOCK
 }
 
 /// `dst[m×n] = (Add ? dst : 0) + a · b` in f32 from bf16 operands (f32 ones are rounded
@@ -445,41 +502,61 @@ pub(crate) fn gemm<A: ToBf16, B: ToBf16>(
         // borrowed (it overlaps neither packed operand) and with `Add` initialised.
         return unsafe { emulated(&pa, &pb, m, n, k, ptr, ld, accumulate) };
     }
-    let mc = rows_per_block(pa.kp);
+    // Depths are taken `KC` at a time, so that a block of rows of `A` and the part of
+    // every panel of `B` it meets stay in L2 (a product over 4,096 tokens, a weight's
+    // gradient, would otherwise stream all of `B` from memory for every 32 rows).
+    let kc = KC.min(pa.kp);
+    let mc = rows_per_block(kc);
     let blocks = m.div_ceil(mc);
     let run = |t: usize| {
         let rows = t * mc..((t + 1) * mc).min(m);
         let mut c = [0f32; BLOCK * BLOCK];
-        for j in (0..n).step_by(BLOCK) {
-            let panel = &pb.data[(j / BLOCK) * pb.kb * B_BLOCK..][..pb.kb * B_BLOCK];
-            for i in rows.clone().step_by(BLOCK) {
-                let a_rows = &pa.data[i * pa.kp..][..BLOCK * pa.kp];
-                let (h, w) = ((m - i).min(BLOCK), (n - j).min(BLOCK));
-                #[cfg(all(target_arch = "x86_64", target_os = "linux", not(miri)))]
-                if kernel == Bf16Kernel::Amx && h == BLOCK && w == BLOCK {
-                    // A whole block: the tiles are loaded from and stored to the
-                    // destination itself.
-                    // SAFETY: `Amx` is only offered when `amx::available`; the operands'
-                    // sizes by construction; the 32 × 32 block at `(i, j)` is inside the
-                    // destination (`i + 32 ≤ m`, `j + 32 ≤ n ≤ ld`), in this task's rows,
-                    // and initialised when `accumulate`.
-                    unsafe { amx::block(a_rows, pa.kp, panel, row(i, j, w), ld, accumulate) };
-                    continue;
-                }
-                block(kernel, a_rows, pa.kp, panel, &mut c);
-                for r in 0..h {
-                    let (d, s) = (row(i + r, j, w), &c[r * BLOCK..r * BLOCK + w]);
-                    // SAFETY: `w` elements of a row of this task's rows (see `row`); no
-                    // other task writes them, nothing reads the destination until all
-                    // tasks are done, and with `Add` they are initialised.
-                    unsafe {
-                        match accumulate {
-                            true => {
-                                for (x, &v) in s.iter().enumerate() {
-                                    *d.add(x) += v;
+        // This task's tile configuration, for all its blocks.
+        #[cfg(all(target_arch = "x86_64", target_os = "linux", not(miri)))]
+        // SAFETY: `Amx` is only offered when `amx::available`.
+        let tiles = (kernel == Bf16Kernel::Amx).then(|| unsafe { amx::Tiles::configure() });
+        #[cfg(not(all(target_arch = "x86_64", target_os = "linux", not(miri))))]
+        let tiles: Option<Tiles> = None;
+        for k0 in (0..pa.kp).step_by(kc) {
+            let depth = kc.min(pa.kp - k0);
+            // The first chunk writes (or adds onto) the destination, the others add.
+            let add = accumulate || k0 > 0;
+            for j in (0..n).step_by(BLOCK) {
+                let panel = &pb.data[((j / BLOCK) * pb.kb + k0 / BLOCK) * B_BLOCK..]
+                    [..depth / BLOCK * B_BLOCK];
+                for i in rows.clone().step_by(BLOCK) {
+                    let a_rows = &pa.data[i * pa.kp + k0..][..(BLOCK - 1) * pa.kp + depth];
+                    let (h, w) = ((m - i).min(BLOCK), (n - j).min(BLOCK));
+                    #[cfg(all(target_arch = "x86_64", target_os = "linux", not(miri)))]
+                    if let (Some(tiles), true) = (&tiles, h == BLOCK && w == BLOCK) {
+                        // A whole block: the tiles are loaded from and stored to the
+                        // destination itself.
+                        // SAFETY: `Amx` is only offered when `amx::available`; the
+                        // operands' sizes by construction (32 rows of `depth` at stride
+                        // `Kp`, `depth / 32` blocks of the panel); the 32 × 32 block at
+                        // `(i, j)` is inside the destination (`i + 32 ≤ m`,
+                        // `j + 32 ≤ n ≤ ld`), in this task's rows, and initialised when
+                        // `add` (by the caller, or by the previous chunk).
+                        unsafe {
+                            amx::block(tiles, a_rows, pa.kp, depth, panel, row(i, j, w), ld, add)
+                        };
+                        continue;
+                    }
+                    block(kernel, tiles.as_ref(), a_rows, pa.kp, depth, panel, &mut c);
+                    for r in 0..h {
+                        let (d, s) = (row(i + r, j, w), &c[r * BLOCK..r * BLOCK + w]);
+                        // SAFETY: `w` elements of a row of this task's rows (see `row`);
+                        // no other task writes them, nothing reads the destination until
+                        // all tasks are done, and with `add` they are initialised.
+                        unsafe {
+                            match add {
+                                true => {
+                                    for (x, &v) in s.iter().enumerate() {
+                                        *d.add(x) += v;
+                                    }
                                 }
+                                false => std::ptr::copy_nonoverlapping(s.as_ptr(), d, w),
                             }
-                            false => std::ptr::copy_nonoverlapping(s.as_ptr(), d, w),
                         }
                     }
                 }
@@ -494,20 +571,33 @@ pub(crate) fn gemm<A: ToBf16, B: ToBf16>(
 }
 
 /// One 32 × 32 block of `C` (`c`, row-major) = 32 packed rows of `A` times one panel.
-fn block(kernel: Bf16Kernel, a: &[u16], kp: usize, panel: &[u16], c: &mut [f32; BLOCK * BLOCK]) {
-    debug_assert_eq!(a.len(), BLOCK * kp);
-    debug_assert_eq!(panel.len(), kp / BLOCK * B_BLOCK);
+fn block(
+    kernel: Bf16Kernel,
+    tiles: Option<&Tiles>,
+    a: &[u16],
+    lda: usize,
+    depth: usize,
+    panel: &[u16],
+    c: &mut [f32; BLOCK * BLOCK],
+) {
+    let _ = &tiles; // Used by the AMX arm only, which some targets do not compile.
+    debug_assert!(depth.is_multiple_of(BLOCK) && depth <= lda);
+    debug_assert_eq!(a.len(), (BLOCK - 1) * lda + depth);
+    debug_assert_eq!(panel.len(), depth / BLOCK * B_BLOCK);
     match kernel {
         #[cfg(all(target_arch = "x86_64", target_os = "linux", not(miri)))]
         // SAFETY: `Amx` is only offered when the CPU has AMX-BF16 and the OS granted the
-        // tile state (`amx::available`); the slices hold the 32 rows of `kp` and the
-        // `kp / 32` blocks the kernel reads (asserted above in debug builds, by
-        // construction in `gemm`).
-        Bf16Kernel::Amx => unsafe { amx::block(a, kp, panel, c.as_mut_ptr(), BLOCK, false) },
+        // tile state (`amx::available`); the slices hold the 32 rows of `depth` (stride
+        // `lda`) and the `depth / 32` blocks the kernel reads (asserted above in debug
+        // builds, by construction in `gemm`).
+        Bf16Kernel::Amx => unsafe {
+            let tiles = tiles.expect("the AMX kernel runs inside a configured task");
+            amx::block(tiles, a, lda, depth, panel, c.as_mut_ptr(), BLOCK, false)
+        },
         #[cfg(all(target_arch = "x86_64", not(miri)))]
         // SAFETY: `Avx512Bf16` is only offered when the CPU has AVX-512 F and BF16
         // (`dpbf16::available`); the operands' sizes as above.
-        Bf16Kernel::Avx512Bf16 => unsafe { dpbf16::block(a, kp, panel, c) },
+        Bf16Kernel::Avx512Bf16 => unsafe { dpbf16::block(a, lda, depth, panel, c) },
         _ => unreachable!("{kernel} is not available on this CPU"),
     }
 }
