@@ -31,6 +31,16 @@ pub struct ExportArgs {
     /// Replace --out if it exists
     #[arg(long)]
     force: bool,
+    /// The dtype of the exported tensors: `f32` (the master weights as trained) or
+    /// `bf16` (half the bytes, each value rounded to the nearest bf16)
+    #[arg(long, value_enum, default_value_t = ExportDtype::F32)]
+    dtype: ExportDtype,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum ExportDtype {
+    F32,
+    Bf16,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -71,7 +81,10 @@ pub fn export(a: ExportArgs) -> anyhow::Result<()> {
         )],
         None => Vec::new(),
     };
-    let w = load(&a.checkpoint, DEFAULT_HEADS)?;
+    let mut w = load(&a.checkpoint, DEFAULT_HEADS)?;
+    if a.dtype == ExportDtype::Bf16 {
+        w = w.to_dtype(candle_core::DType::BF16)?;
+    }
     let tensors = match a.format {
         ExportFormat::Nanogpt => w.export_to(&a.out, a.force)?,
         ExportFormat::HfGpt2 => w.export_hf(&a.out, &extra, a.force)?,

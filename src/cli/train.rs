@@ -531,7 +531,7 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
     opts.stop = signals.as_ref().map(|s| std::sync::Arc::clone(&s.stop));
     if rank0 {
         eprintln!(
-            "switchyard: GPT {} layers × d {}, vocabulary {} ({:.2}M parameters) on {} ({} tokens{}); {} workers: dp {} × pp {} × tp {}, {} with {} microbatches{}",
+            "switchyard: GPT {} layers × d {}, vocabulary {} ({:.2}M parameters) on {} ({} tokens{}); {} workers: dp {} × pp {} × tp {}, {} with {} microbatches{}{}",
             cfg.model.n_layer,
             cfg.model.d_model,
             cfg.model.vocab_size,
@@ -551,7 +551,8 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
             match cfg.zero {
                 0 => String::new(),
                 z => format!(", ZeRO stage {z}"),
-            }
+            },
+            precision_note(cfg.model.precision),
         );
     }
     let report = match a.backend {
@@ -659,5 +660,18 @@ fn with_flag_advice(e: TrainError) -> anyhow::Error {
              --d-model, --layers, --heads (and --tied)"
         ),
         e => e.into(),
+    }
+}
+
+/// What the header line says of the precision: nothing at f32; at bf16 the kernel that
+/// multiplies (`amx`, `avx512_bf16`), or that it is emulated on this CPU.
+fn precision_note(p: Precision) -> String {
+    let kernel = switchyard_ops::Bf16Kernel::best();
+    match (p, kernel.is_native()) {
+        (Precision::F32, _) => String::new(),
+        (_, true) => format!(", bf16 products ({kernel})"),
+        (_, false) => {
+            ", bf16 products emulated (this CPU has neither AMX nor AVX-512 BF16: f32 speed)".into()
+        }
     }
 }

@@ -250,6 +250,25 @@ impl<M: Model> Weights<M> {
         })
     }
 
+    /// The same weights with every tensor in `dtype` (`switchyard export --dtype`): bf16
+    /// halves an export's bytes, each value rounded to the nearest bf16. Checkpoints
+    /// always keep the f32 master weights; a bf16 export loads back as f32.
+    pub fn to_dtype(&self, dtype: DType) -> Result<Weights<M>> {
+        if !matches!(dtype, DType::F32 | DType::BF16) {
+            return Err(err!(Weights, "exports are f32 or bf16, not {dtype:?}"));
+        }
+        let tensors = self
+            .tensors
+            .iter()
+            .map(|(k, v)| Ok((k.clone(), v.to_dtype(dtype)?)))
+            .collect::<Result<HashMap<_, _>>>()?;
+        Ok(Weights {
+            config: self.config.clone(),
+            tensors,
+            integrity: self.integrity,
+        })
+    }
+
     /// The tensors an export writes, sorted by name: the parameters and the aliases of
     /// [`Model::export`] (a GPT's tied table also under `lm_head.weight`, as PyTorch's
     /// state dict has it).

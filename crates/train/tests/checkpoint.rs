@@ -137,6 +137,49 @@ fn export_then_init_gives_the_same_loss() {
 }
 
 #[test]
+fn a_bf16_export_is_half_the_bytes_and_loads_as_the_rounded_weights() {
+    let dir = scratch("export-bf16");
+    let mut cfg = run_cfg(1, 1, 1, "1f1b");
+    cfg.steps = 2;
+    run(&cfg, &dir, 0, None).unwrap();
+    let w = Weights::load(&dir, &cfg.model).unwrap();
+    let (f32_file, bf16_file) = (dir.join("f32.safetensors"), dir.join("bf16.safetensors"));
+    w.export(&f32_file).unwrap();
+    w.to_dtype(candle_core::DType::BF16)
+        .unwrap()
+        .export(&bf16_file)
+        .unwrap();
+    let raw = candle_core::safetensors::load(&bf16_file, &candle_core::Device::Cpu).unwrap();
+    assert!(raw.values().all(|t| t.dtype() == candle_core::DType::BF16));
+    let size = |p: &std::path::Path| std::fs::metadata(p).unwrap().len() as f64;
+    let ratio = size(&bf16_file) / size(&f32_file);
+    assert!(
+        (0.49..0.55).contains(&ratio),
+        "bf16 export is {ratio:.3} of f32's bytes"
+    );
+    // It loads (checksum verified) as f32, every value the nearest bf16 of the master's.
+    let back = Weights::load(&bf16_file, &GptConfig::default()).unwrap();
+    assert_eq!(back.integrity, Integrity::Checksum);
+    assert_eq!(back.config, cfg.model);
+    for (name, t) in &w.tensors {
+        let want = t.to_dtype(candle_core::DType::BF16).unwrap();
+        let want = want.to_dtype(candle_core::DType::F32).unwrap();
+        let got = &back.tensors[name];
+        assert_eq!(got.dtype(), candle_core::DType::F32);
+        let diff = (got - &want).unwrap().abs().unwrap().max_all().unwrap();
+        assert_eq!(diff.to_scalar::<f32>().unwrap(), 0.0, "{name}");
+    }
+    assert!(w.to_dtype(candle_core::DType::F16).is_err());
+    let corpus = Corpus::bundled();
+    let a = evaluate(&w, &corpus, 8, Some(32)).unwrap().nats_per_byte;
+    let b = evaluate(&back, &corpus, 8, Some(32)).unwrap().nats_per_byte;
+    assert!(
+        (a - b).abs() / a < 1e-2,
+        "eval {a} (f32) vs {b} (bf16 export)"
+    );
+}
+
+#[test]
 fn an_interrupted_save_leaves_the_previous_checkpoint_loadable() {
     let dir = scratch("interrupted");
     let cfg = run_cfg(1, 2, 2, "1f1b");

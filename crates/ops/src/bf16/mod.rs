@@ -168,16 +168,12 @@ pub(crate) fn round_to_bf16(x: f32) -> u16 {
 
 /// `x` rounded to bf16, element by element ([`round_to_bf16`]; vectorised on AVX-512).
 pub(crate) fn to_bf16_vec(x: &[f32]) -> Vec<bf16> {
-    let mut bits = vec![0u16; x.len()];
-    f32::row_bits(x, &mut bits);
-    bits.into_iter().map(bf16::from_bits).collect()
+    rounded::<f32>(x)
 }
 
 /// `x` widened to f32 (exact; vectorised on AVX-512).
 pub(crate) fn widen(x: &[bf16]) -> Vec<f32> {
-    let mut out = vec![0f32; x.len()];
-    widen_row::<f32>(x, &mut out);
-    out
+    widened::<f32>(x)
 }
 
 // The element loops of the conversions, compiled twice (AVX-512 chosen at run time);
@@ -198,12 +194,22 @@ simd! {
     }
 }
 
+// Collected, not filled: no zeroing pass over a fresh buffer first.
 simd! {
-    /// `out[i] = x[i]` in f32 (exact).
-    fn widen_row<T>(x: &[bf16], out: &mut [f32]) {
-        out.iter_mut()
-            .zip(x)
-            .for_each(|(o, b)| *o = f32::from_bits((b.to_bits() as u32) << 16));
+    /// `x` widened to f32 (exact).
+    fn widened<T>(x: &[bf16]) -> Vec<f32> {
+        x.iter()
+            .map(|b| f32::from_bits((b.to_bits() as u32) << 16))
+            .collect()
+    }
+}
+
+simd! {
+    /// `x` rounded to the nearest bf16.
+    fn rounded<T>(x: &[f32]) -> Vec<bf16> {
+        x.iter()
+            .map(|&v| bf16::from_bits(round_to_bf16(v)))
+            .collect()
     }
 }
 
