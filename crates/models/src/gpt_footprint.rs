@@ -20,7 +20,7 @@
 //! microbatch; the head keeps the logits, shifted and exponentiated. Measured against
 //! `switchyard-mem` in `switchyard-train`'s `tests/estimate.rs`.
 
-use switchyard_shard::{OpsBackend, Precision};
+use switchyard_shard::OpsBackend;
 
 use crate::gpt::WTE;
 use crate::{Activations, Footprint, GptConfig, ModelError, StagePlan};
@@ -107,10 +107,7 @@ pub(crate) fn footprint(
     // What the fused pairs keep for their backward (q | k | v, the attention's output,
     // the MLP's pre-activation and GELU output) is bf16 at bf16 precision: half an f32
     // element each. The tensors between the ops stay f32.
-    let kept = match cfg.precision {
-        Precision::F32 => 1.0,
-        Precision::Bf16 => 0.5,
-    };
+    let kept = cfg.precision.saved_bytes() as f64 / 4.0;
     let (block, per_microbatch, block_tensors, ln_f) = match cfg.ops {
         OpsBackend::Fused => (12.0 * d / a * kept + 6.0 * d + h, 0, 32, d),
         // Candle keeps every intermediate of the composed ops (see the doc above).

@@ -60,8 +60,11 @@ pub(crate) fn linear_with(
         x = reduce_grad(&x, r)?;
     }
     let bf16 = opts.precision == Precision::Bf16;
+    // At bf16, as the fused op: the product of the rounded operands, and the gradient
+    // that reaches the product rounded too (a bf16 product reads it rounded); the
+    // gradients of `x` and `w` themselves stay f32.
     let mut y = match bf16 {
-        true => round_bf16(&x)?.matmul(&round_bf16(w)?.t()?)?,
+        true => round_grad(&round_value(&x)?.matmul(&round_value(w)?.t()?)?)?,
         false => x.matmul(&w.t()?)?,
     };
     if let Some(r) = &opts.reduce_output {
@@ -73,16 +76,28 @@ pub(crate) fn linear_with(
     *dims.last_mut().expect("rank ≥ 2") = w.dim(0)?;
     let y = y.reshape(dims)?;
     match (opts.gelu, bf16) {
-        (true, true) => gelu(&round_bf16(&y)?),
+        (true, true) => gelu(&round_value(&y)?),
         (true, false) => gelu(&y),
         (false, _) => Ok(y),
     }
 }
 
-/// `x` rounded to the nearest bf16, as the same dtype (differentiable: the gradient is
-/// rounded on its way back).
-pub(crate) fn round_bf16(x: &Tensor) -> Result<Tensor> {
+/// `x` rounded to the nearest bf16, as the same dtype (candle's `to_dtype` also rounds
+/// the gradient on its way back).
+fn round_bf16(x: &Tensor) -> Result<Tensor> {
     x.to_dtype(DType::BF16)?.to_dtype(x.dtype())
+}
+
+/// `x` rounded to bf16 in value; the gradient passes through unrounded.
+fn round_value(x: &Tensor) -> Result<Tensor> {
+    x + (round_bf16(x)? - x)?.detach()
+}
+
+/// `x` itself in value (`r − r + x` is exact); its gradient rounded to bf16 on the way
+/// back.
+fn round_grad(x: &Tensor) -> Result<Tensor> {
+    let r = round_bf16(x)?;
+    (&r - r.detach())? + x.detach()
 }
 
 /// The column-then-row pair of [`crate::mlp_with`] (`heads = None`, GELU in the middle)
@@ -97,7 +112,7 @@ pub(crate) fn pair(
     let mut h = linear_with(x, &w.w[0], w.b[0].as_ref(), &first)?;
     if let Some(n) = heads {
         if opts.precision == Precision::Bf16 {
-            h = round_bf16(&h)?;
+            h = round_value(&h)?;
         }
         h = causal_attention_packed(&h, n)?;
     }

@@ -8,14 +8,16 @@ use std::str::FromStr;
 /// model's configuration, beside [`crate::OpsBackend`]; there is no global switch.
 ///
 /// * [`Precision::F32`]: f32 products of f32 tensors.
-/// * [`Precision::Bf16`]: mixed precision. Every product rounds its two operands to bf16
-///   and sums the exact products in f32 (AMX, AVX-512 BF16, or emulated:
-///   [`crate::Bf16Kernel`]). The tensors between the ops, the master weights, their
-///   gradients, LayerNorm, softmax, GELU and the loss stay f32; what an op keeps for its
-///   backward (the MLP's pre-activation and GELU output, the attention's `q | k | v`
-///   and output) is stored in bf16, the values the products read. The middle function
-///   of a pair runs on its input rounded to bf16, so the forward and the backward see
-///   the same values.
+/// * [`Precision::Bf16`]: mixed precision. Every weight product (the linear maps, the
+///   MLP's two, the attention's qkv and output projections; forward, `dX` and `dW`)
+///   rounds its two operands to bf16 and sums the exact products in f32 (AMX, AVX-512
+///   BF16, or emulated: [`crate::Bf16Kernel`]). The attention's own products
+///   (`q·kᵀ`, `P·v`), the tensors between the ops, the master weights and their
+///   gradients, LayerNorm, softmax, GELU and the loss stay f32; what an op keeps for
+///   its backward (the MLP's pre-activation and GELU output, the attention's
+///   `q | k | v` and output) is stored in bf16. The middle function of a pair runs on
+///   its pre-activation rounded to bf16, the value its backward reads back; the
+///   attention's backward reads its output as kept, in bf16.
 ///
 /// A CPU without bf16 instructions computes the same numbers, emulated (the f32 kernels
 /// on the rounded operands).

@@ -4,9 +4,11 @@
 //! `tmm5` take 16 rows × 32 bf16 of `A` each (rows 0–15 and 16–31, straight from the
 //! packed rows, stride `2·Kp` bytes), `tmm6` and `tmm7` the two 1 KiB tiles of the
 //! panel's block of `B` (stride 64 bytes), and four `TDPBF16PS` add their products.
-//! Rust has no stable AMX intrinsics; the kernel is inline assembly, one block for the
-//! whole depth so that the tiles (which the compiler knows nothing of) live in one
-//! `asm!`. The tile configuration is loaded once per task ([`Tiles`]), not per block.
+//! Rust has no stable AMX intrinsics; the kernel is inline assembly, one `asm!` for a
+//! block's whole depth (a chunk of up to 512 depths: `gemm` blocks over depth), so that
+//! the tile data (which the compiler knows nothing of) lives in one `asm!`. The tile
+//! configuration is loaded once per task ([`Tiles`]), not per block: it is state of the
+//! thread, which compiled Rust code never touches.
 //!
 //! Linux hands a process the 8 KiB tile state only on request
 //! (`arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`, once for every thread of the
@@ -40,7 +42,8 @@ impl Tiles {
     /// Loads the configuration.
     ///
     /// # Safety
-    /// [`available`] returned true.
+    /// [`available`] returned true, and no other `Tiles` is alive on this thread (its
+    /// drop would release the configuration under this one).
     pub(super) unsafe fn configure() -> Tiles {
         let mut cfg = TileConfig {
             palette: 1,
@@ -135,11 +138,12 @@ pub(super) unsafe fn block(
     macro_rules! kernel {
         ($($init:literal),*) => {
             // SAFETY: the caller's contract: every tile load reads 16 rows of 64 bytes
-            // inside `a` (rows 0–31, bytes `64·q .. 64·q + 64` of each row for block
-            // `q < kp / 32`) or inside `panel` (block `q`'s two 1 KiB tiles); the
-            // quarters of `C` are 16 rows of 64 bytes at stride `4·ldc` inside the
-            // caller's block. The tile registers are ours from `ldtilecfg` to
-            // `tilerelease`, which leaves them as the OS expects.
+            // inside `a` (rows 0–31 at stride `lda`, bytes `64·q .. 64·q + 64` of each
+            // row for block `q < depth / 32`) or inside `panel` (block `q`'s two 1 KiB
+            // tiles); the quarters of `C` are 16 rows of 64 bytes at stride `4·ldc`
+            // inside the caller's block. The tiles are configured by `Tiles`, which
+            // this thread holds; every tile this block uses is loaded or zeroed here
+            // before it is read.
             unsafe {
                 asm!(
                     $($init,)*

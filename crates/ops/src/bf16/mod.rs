@@ -28,13 +28,17 @@
 //! 16-lane vectors `VDPBF16PS` takes. Packing costs `m·k + k·n` element copies against
 //! `m·n·k` multiply-adds.
 //!
-//! **Blocking.** The rows of `A` are taken `MC` at a time (about 256 KiB of packed `A`,
-//! which stays in L2), and for each such block every panel of `B` (`Kp × 32` bf16) in
-//! turn; blocks of rows are split over the current rayon pool's threads, each writing
-//! its own rows of `C`. The AMX kernel loads and stores a whole 32 × 32 block of `C` in
-//! place; the other kernels, and blocks at `C`'s edges, go through a 32 × 32 buffer.
+//! **Blocking.** Depths are taken `KC` (512) at a time and the rows of `A` `MC` at a
+//! time (about 256 KiB of packed `A` over `KC` depths, which stays in L2, and fewer when
+//! that leaves a thread of the pool idle); for each block of rows and chunk of depths,
+//! every panel of `B` (`KC × 32` bf16) in turn. Blocks of rows are split over the
+//! current rayon pool's threads, each writing its own rows of `C`; the first chunk of
+//! depths writes `C` (or adds to it), the others add. The AMX kernel loads and stores a
+//! whole 32 × 32 block of `C` in place; the other kernels, and blocks at `C`'s edges, go
+//! through a 32 × 32 buffer.
 //!
-//! [`linear_bf16`] is the first op built on these products, with its backward.
+//! The fused ops multiply through these products at `Precision::Bf16`
+//! (`crate::linear::product`); [`linear_bf16`] is a standalone op with a bf16 output.
 
 use std::borrow::Cow;
 use std::sync::OnceLock;
@@ -512,7 +516,9 @@ pub(crate) fn gemm<A: ToBf16, B: ToBf16>(
     // every panel of `B` it meets stay in L2 (a product over 4,096 tokens, a weight's
     // gradient, would otherwise stream all of `B` from memory for every 32 rows).
     let kc = KC.min(pa.kp);
-    let mc = rows_per_block(kc);
+    // Rows per task: an L2's worth, or fewer so that every thread of the pool has one.
+    let threads = rayon::current_num_threads();
+    let mc = rows_per_block(kc).min(round_up(m.div_ceil(threads)).max(BLOCK));
     let blocks = m.div_ceil(mc);
     let run = |t: usize| {
         let rows = t * mc..((t + 1) * mc).min(m);
