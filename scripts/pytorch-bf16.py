@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Times the reference GPT's training step in PyTorch on one CPU core, f32 against bf16 autocast.
 
-    python3 -m venv .venv && .venv/bin/pip install torch numpy
+    python3 -m venv .venv && .venv/bin/pip install torch safetensors numpy
     target/release/switchyard bench --preset reference --only bf16 --json /tmp/bench.json   # optional
     .venv/bin/python scripts/pytorch-bf16.py [--switchyard /tmp/bench.json]
 
@@ -11,8 +11,8 @@ the same CPU, one thread.
 
 What it does:
 
-1. builds switchyard's GPT in PyTorch as `scripts/make-adamw-fixture.py` does (the same
-   classes, copied so that this script stands alone): GPT-2 / nanoGPT with nanoGPT's
+1. builds switchyard's GPT in PyTorch with the classes of `scripts/make-adamw-fixture.py`
+   (loaded from it, hence `safetensors` in the install line): GPT-2 / nanoGPT with nanoGPT's
    names, pre-LayerNorm blocks (eps 1e-5), a fused `c_attn`, biases on every linear,
    attention written out (scores · 1/sqrt(head dim), causal mask, softmax), GPT-2's tanh
    GELU, the final LayerNorm and an untied LM head without bias; at the size of `switchyard
@@ -41,6 +41,7 @@ of the pieces (and always the first row, "1 worker"): `--only bf16` runs "1 work
 """
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -51,7 +52,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 # `switchyard bench --preset reference` (src/bench/mod.rs): the model, the batch, the steps.
@@ -60,68 +60,17 @@ SETTINGS = dict(seed=20240614, batch=32, seq_len=128, warmup=2, steps=5, lr=3e-4
 F32_ROW, BF16_ROW = "1 worker", "1 worker, bf16"
 
 
-# The model of scripts/make-adamw-fixture.py, unchanged.
-class Attention(nn.Module):
-    def __init__(self, d, n_head):
-        super().__init__()
-        self.n_head = n_head
-        self.c_attn = nn.Linear(d, 3 * d)
-        self.c_proj = nn.Linear(d, d)
-
-    def forward(self, x):
-        b, t, d = x.shape
-        hd = d // self.n_head
-        q, k, v = self.c_attn(x).split(d, dim=2)
-        q, k, v = (z.view(b, t, self.n_head, hd).transpose(1, 2) for z in (q, k, v))
-        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hd))
-        mask = torch.ones(t, t, dtype=torch.bool).tril()
-        att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
-        y = (att @ v).transpose(1, 2).contiguous().view(b, t, d)
-        return self.c_proj(y)
+def load_fixture_script():
+    """scripts/make-adamw-fixture.py as a module: its GPT is the one this script times
+    (one definition of switchyard's GPT in PyTorch, not two)."""
+    path = Path(__file__).with_name("make-adamw-fixture.py")
+    spec = importlib.util.spec_from_file_location("make_adamw_fixture", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-class Mlp(nn.Module):
-    def __init__(self, d):
-        super().__init__()
-        self.c_fc = nn.Linear(d, 4 * d)
-        self.c_proj = nn.Linear(4 * d, d)
-
-    def forward(self, x):
-        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
-
-
-class Block(nn.Module):
-    def __init__(self, d, n_head):
-        super().__init__()
-        self.ln_1 = nn.LayerNorm(d, eps=1e-5)
-        self.attn = Attention(d, n_head)
-        self.ln_2 = nn.LayerNorm(d, eps=1e-5)
-        self.mlp = Mlp(d)
-
-    def forward(self, x):
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
-
-
-class Gpt(nn.Module):
-    def __init__(self, c):
-        super().__init__()
-        d = c["d_model"]
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(c["vocab_size"], d),
-            wpe=nn.Embedding(c["block_size"], d),
-            h=nn.ModuleList(Block(d, c["n_head"]) for _ in range(c["n_layer"])),
-            ln_f=nn.LayerNorm(d, eps=1e-5),
-        ))
-        self.lm_head = nn.Linear(d, c["vocab_size"], bias=False)
-
-    def forward(self, ids):
-        t = ids.shape[1]
-        tr = self.transformer
-        x = tr.wte(ids) + tr.wpe(torch.arange(t))
-        for block in tr.h:
-            x = block(x)
-        return self.lm_head(tr.ln_f(x))
+Gpt = load_fixture_script().Gpt
 
 
 def init_weights(model, n_layer, generator):
