@@ -48,7 +48,7 @@ use candle_core::CpuStorage;
 use half::bf16;
 use rayon::prelude::*;
 
-use crate::kernel::{simd, Dst, Mat, SharedMut, Uninit};
+use crate::kernel::{Dst, Mat, SharedMut, Uninit};
 use crate::Precision;
 
 #[cfg(all(target_arch = "x86_64", target_os = "linux", not(miri)))]
@@ -58,11 +58,19 @@ use amx::Tiles;
 /// Where AMX is not compiled in, nothing to configure.
 #[cfg(not(all(target_arch = "x86_64", target_os = "linux", not(miri))))]
 enum Tiles {}
+mod convert;
 #[cfg(all(target_arch = "x86_64", not(miri)))]
 mod dpbf16;
 mod linear;
+mod pack;
 #[cfg(test)]
 mod tests;
+
+use convert::round_in_place;
+#[cfg(test)]
+use convert::round_to_bf16;
+pub(crate) use convert::{to_bf16_vec, widen, ToBf16};
+pub(crate) use pack::{b_index, pack_a, pack_b, PackedA, PackedB, B_BLOCK};
 
 pub use linear::{linear_bf16, linear_bf16_on};
 
@@ -119,110 +127,6 @@ impl Bf16Kernel {
 impl std::fmt::Display for Bf16Kernel {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.name())
-    }
-}
-
-/// An element a bf16 product reads: bf16 itself, or f32 rounded to the nearest bf16
-/// (ties to even) as it is packed.
-pub(crate) trait ToBf16: Copy + Send + Sync {
-    fn bits(self) -> u16;
-    /// `dst[i] = src[i].bits()` (vectorised for f32 on AVX-512 CPUs).
-    fn row_bits(src: &[Self], dst: &mut [u16]) {
-        dst.iter_mut().zip(src).for_each(|(d, s)| *d = s.bits());
-    }
-    /// The value itself, in f32 (exact).
-    fn f32(self) -> f32;
-}
-
-impl ToBf16 for bf16 {
-    fn bits(self) -> u16 {
-        self.to_bits()
-    }
-    fn f32(self) -> f32 {
-        self.to_f32()
-    }
-}
-
-impl ToBf16 for f32 {
-    fn bits(self) -> u16 {
-        round_to_bf16(self)
-    }
-    fn row_bits(src: &[f32], dst: &mut [u16]) {
-        round_row::<f32>(src, dst)
-    }
-    fn f32(self) -> f32 {
-        self
-    }
-}
-
-/// `x` rounded to the nearest bf16, ties to even (`half::bf16::from_f32`'s result,
-/// tested), without branches so that loops over it vectorise: add `0x7fff` plus the
-/// lowest kept bit and keep the high half; a NaN stays a (quiet) NaN.
-#[inline]
-pub(crate) fn round_to_bf16(x: f32) -> u16 {
-    let b = x.to_bits();
-    let rounded = (b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16) as u16;
-    let nan = ((b >> 16) | 0x0040) as u16;
-    if x.is_nan() {
-        nan
-    } else {
-        rounded
-    }
-}
-
-/// `x` rounded to bf16, element by element ([`round_to_bf16`]; vectorised on AVX-512).
-pub(crate) fn to_bf16_vec(x: &[f32]) -> Vec<bf16> {
-    rounded::<f32>(x)
-}
-
-/// `x` widened to f32 (exact; vectorised on AVX-512).
-pub(crate) fn widen(x: &[bf16]) -> Vec<f32> {
-    widened::<f32>(x)
-}
-
-// The element loops of the conversions, compiled twice (AVX-512 chosen at run time);
-// `T` is unused (the `simd!` macro's functions are generic over the float type).
-simd! {
-    /// `dst[i] = round_to_bf16(src[i])`, sixteen at a time (one AVX-512 vector: the
-    /// packing calls it on rows of 32).
-    fn round_row<T>(src: &[f32], dst: &mut [u16]) {
-        let mut d16 = dst.chunks_exact_mut(16);
-        let mut s16 = src.chunks_exact(16);
-        for (d, s) in (&mut d16).zip(&mut s16) {
-            for i in 0..16 {
-                d[i] = round_to_bf16(s[i]);
-            }
-        }
-        let (d, s) = (d16.into_remainder(), s16.remainder());
-        d.iter_mut().zip(s).for_each(|(d, &s)| *d = round_to_bf16(s));
-    }
-}
-
-// Collected, not filled: no zeroing pass over a fresh buffer first.
-simd! {
-    /// `x` widened to f32 (exact).
-    fn widened<T>(x: &[bf16]) -> Vec<f32> {
-        x.iter()
-            .map(|b| f32::from_bits((b.to_bits() as u32) << 16))
-            .collect()
-    }
-}
-
-simd! {
-    /// `x` rounded to the nearest bf16.
-    fn rounded<T>(x: &[f32]) -> Vec<bf16> {
-        x.iter()
-            .map(|&v| bf16::from_bits(round_to_bf16(v)))
-            .collect()
-    }
-}
-
-simd! {
-    /// Every element of `x` rounded to the nearest bf16, in place.
-    fn round_in_place<T>(x: &mut [f32]) {
-        for v in x.iter_mut() {
-            *v = f32::from_bits((round_to_bf16(*v) as u32) << 16);
-        }
     }
 }
 
@@ -313,141 +217,8 @@ impl Bf16Product for f64 {
 /// The depth, rows and columns of the blocks the kernels work on.
 pub(crate) const BLOCK: usize = 32;
 
-fn round_up(x: usize) -> usize {
+pub(crate) fn round_up(x: usize) -> usize {
     x.div_ceil(BLOCK) * BLOCK
-}
-
-/// `a` (`m × k`) packed: `Mp` rows of `Kp` bf16 bits, zero-padded.
-pub(crate) struct PackedA {
-    pub(crate) data: Vec<u16>,
-    /// `Kp`: the row length.
-    pub(crate) kp: usize,
-}
-
-pub(crate) fn pack_a<T: ToBf16>(a: Mat<T>, m: usize, k: usize) -> PackedA {
-    let (mp, kp) = (round_up(m), round_up(k));
-    let mut data = vec![0u16; mp * kp];
-    if a.cs == 1 {
-        // Rows of the source are contiguous: one converting copy a row.
-        for (i, row) in data.chunks_exact_mut(kp).take(m).enumerate() {
-            T::row_bits(&a.data[i * a.rs..][..k], &mut row[..k]);
-        }
-    } else if a.rs == 1 {
-        // A transposed operand (columns contiguous): 32 × 32 blocks, each converted
-        // along the source's columns into a tile, then written out a row (64 bytes) at a
-        // time.
-        // The blocks go in squares of 256 × 256, whose source and destination rows
-        // (a few hundred pages) stay in L2 and the TLB.
-        const SQUARE: usize = 8 * BLOCK;
-        let mut tile = [0u16; BLOCK * BLOCK];
-        for (si, sp) in (0..m)
-            .step_by(SQUARE)
-            .flat_map(|si| (0..k).step_by(SQUARE).map(move |sp| (si, sp)))
-        {
-            for i0 in (si..(si + SQUARE).min(m)).step_by(BLOCK) {
-                let ih = (m - i0).min(BLOCK);
-                for p0 in (sp..(sp + SQUARE).min(k)).step_by(BLOCK) {
-                    let pw = (k - p0).min(BLOCK);
-                    for p in 0..pw {
-                        let src = &a.data[(p0 + p) * a.cs + i0..][..ih];
-                        T::row_bits(src, &mut tile[p * BLOCK..][..ih]);
-                    }
-                    for i in 0..ih {
-                        let row = &mut data[(i0 + i) * kp + p0..][..pw];
-                        for (p, x) in row.iter_mut().enumerate() {
-                            *x = tile[p * BLOCK + i];
-                        }
-                    }
-                }
-            }
-        }
-    } else {
-        for (i, row) in data.chunks_exact_mut(kp).take(m).enumerate() {
-            for (p, x) in row[..k].iter_mut().enumerate() {
-                *x = a.data[i * a.rs + p * a.cs].bits();
-            }
-        }
-    }
-    PackedA { data, kp }
-}
-
-/// `b` (`k × n`) packed in panels of 32 columns and blocks of 32 depths, each block two
-/// 16-column tiles of 16 pair-rows (see the module docs).
-pub(crate) struct PackedB {
-    pub(crate) data: Vec<u16>,
-    /// Blocks of 32 depths per panel: `Kp / 32`.
-    pub(crate) kb: usize,
-}
-
-/// u16s in one 32 × 32 block of packed `B` (two 16 × 32 tiles).
-pub(crate) const B_BLOCK: usize = BLOCK * BLOCK;
-
-pub(crate) fn pack_b<T: ToBf16>(b: Mat<T>, k: usize, n: usize) -> PackedB {
-    let (kp, np) = (round_up(k), round_up(n));
-    let kb = kp / BLOCK;
-    let mut data = vec![0u16; kp * np];
-    // One 32 × 32 block at a time, each row (or column, for a transposed operand such
-    // as a weight stored `[out, in]`) of the source converted along its unit stride.
-    let mut line = [0u16; BLOCK];
-    // Blocks in the order that reads the source along its rows (row-major `B`: 32 whole
-    // rows, then every panel of them) or its columns (a transposed `B`).
-    let panels = np / BLOCK;
-    for index in 0..panels * kb {
-        let (panel, blk) = match b.cs <= b.rs {
-            true => (index % panels, index / panels),
-            false => (index / kb, index % kb),
-        };
-        let (c0, cw) = (panel * BLOCK, (n - panel * BLOCK).min(BLOCK));
-        {
-            let (p0, pw) = (blk * BLOCK, (k - blk * BLOCK).min(BLOCK));
-            let dst = &mut data[(panel * kb + blk) * B_BLOCK..][..B_BLOCK];
-            let at = |p: usize, c: usize| (c / 16) * 512 + (p / 2) * 32 + (c % 16) * 2 + p % 2;
-            let src = &b.data[p0 * b.rs + c0 * b.cs..];
-            if b.cs == 1 {
-                // Two rows (depths `p`, `p + 1`) at a time, interleaved into row `p / 2`
-                // of each 16-column tile.
-                let mut next = [0u16; BLOCK];
-                for p in (0..pw).step_by(2) {
-                    T::row_bits(&src[p * b.rs..][..cw], &mut line[..cw]);
-                    match p + 1 < pw {
-                        true => T::row_bits(&src[(p + 1) * b.rs..][..cw], &mut next[..cw]),
-                        false => next[..cw].fill(0),
-                    }
-                    for half in 0..2 {
-                        let row = &mut dst[half * 512 + (p / 2) * 32..][..32];
-                        let cols =
-                            (half * 16..(half * 16 + 16).min(cw)).map(|c| (line[c], next[c]));
-                        for (pair, (x, y)) in row.chunks_exact_mut(2).zip(cols) {
-                            pair[0] = x;
-                            pair[1] = y;
-                        }
-                    }
-                }
-            } else if b.rs == 1 {
-                for c in 0..cw {
-                    T::row_bits(&src[c * b.cs..][..pw], &mut line[..pw]);
-                    for (p, &x) in line[..pw].iter().enumerate() {
-                        dst[at(p, c)] = x;
-                    }
-                }
-            } else {
-                for p in 0..pw {
-                    for c in 0..cw {
-                        dst[at(p, c)] = src[p * b.rs + c * b.cs].bits();
-                    }
-                }
-            }
-        }
-    }
-    PackedB { data, kb }
-}
-
-/// Where `B[p][c]` goes in packed `B` of `kb` depth blocks per panel.
-#[inline]
-pub(crate) fn b_index(kb: usize, p: usize, c: usize) -> usize {
-    let (block, pair, e) = (p / BLOCK, (p % BLOCK) / 2, p % 2);
-    let (panel, half, col) = (c / BLOCK, (c % BLOCK) / 16, c % 16);
-    (panel * kb + block) * B_BLOCK + half * 512 + pair * 32 + col * 2 + e
 }
 
 /// Depths per chunk of the blocked product (a multiple of 32).

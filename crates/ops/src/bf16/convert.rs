@@ -1,0 +1,111 @@
+//! Conversions between f32 and bf16: round to nearest even without branches (so that
+//! loops of it vectorise), and the element loops compiled twice by `simd!` (AVX-512
+//! chosen at run time).
+
+use half::bf16;
+
+use crate::kernel::simd;
+
+/// An element a bf16 product reads: bf16 itself, or f32 rounded to the nearest bf16
+/// (ties to even) as it is packed.
+pub(crate) trait ToBf16: Copy + Send + Sync {
+    fn bits(self) -> u16;
+    /// `dst[i] = src[i].bits()` (vectorised for f32 on AVX-512 CPUs).
+    fn row_bits(src: &[Self], dst: &mut [u16]) {
+        dst.iter_mut().zip(src).for_each(|(d, s)| *d = s.bits());
+    }
+    /// The value itself, in f32 (exact).
+    fn f32(self) -> f32;
+}
+
+impl ToBf16 for bf16 {
+    fn bits(self) -> u16 {
+        self.to_bits()
+    }
+    fn f32(self) -> f32 {
+        self.to_f32()
+    }
+}
+
+impl ToBf16 for f32 {
+    fn bits(self) -> u16 {
+        round_to_bf16(self)
+    }
+    fn row_bits(src: &[f32], dst: &mut [u16]) {
+        round_row::<f32>(src, dst)
+    }
+    fn f32(self) -> f32 {
+        self
+    }
+}
+
+/// `x` rounded to the nearest bf16, ties to even (`half::bf16::from_f32`'s result,
+/// tested), without branches so that loops over it vectorise: add `0x7fff` plus the
+/// lowest kept bit and keep the high half; a NaN stays a (quiet) NaN.
+#[inline]
+pub(crate) fn round_to_bf16(x: f32) -> u16 {
+    let b = x.to_bits();
+    let rounded = (b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16) as u16;
+    let nan = ((b >> 16) | 0x0040) as u16;
+    if x.is_nan() {
+        nan
+    } else {
+        rounded
+    }
+}
+
+/// `x` rounded to bf16, element by element ([`round_to_bf16`]; vectorised on AVX-512).
+pub(crate) fn to_bf16_vec(x: &[f32]) -> Vec<bf16> {
+    rounded::<f32>(x)
+}
+
+/// `x` widened to f32 (exact; vectorised on AVX-512).
+pub(crate) fn widen(x: &[bf16]) -> Vec<f32> {
+    widened::<f32>(x)
+}
+
+// The element loops of the conversions, compiled twice (AVX-512 chosen at run time);
+// `T` is unused (the `simd!` macro's functions are generic over the float type).
+simd! {
+    /// `dst[i] = round_to_bf16(src[i])`, sixteen at a time (one AVX-512 vector: the
+    /// packing calls it on rows of 32).
+    fn round_row<T>(src: &[f32], dst: &mut [u16]) {
+        let mut d16 = dst.chunks_exact_mut(16);
+        let mut s16 = src.chunks_exact(16);
+        for (d, s) in (&mut d16).zip(&mut s16) {
+            for i in 0..16 {
+                d[i] = round_to_bf16(s[i]);
+            }
+        }
+        let (d, s) = (d16.into_remainder(), s16.remainder());
+        d.iter_mut().zip(s).for_each(|(d, &s)| *d = round_to_bf16(s));
+    }
+}
+
+// Collected, not filled: no zeroing pass over a fresh buffer first.
+simd! {
+    /// `x` widened to f32 (exact).
+    fn widened<T>(x: &[bf16]) -> Vec<f32> {
+        x.iter()
+            .map(|b| f32::from_bits((b.to_bits() as u32) << 16))
+            .collect()
+    }
+}
+
+simd! {
+    /// `x` rounded to the nearest bf16.
+    fn rounded<T>(x: &[f32]) -> Vec<bf16> {
+        x.iter()
+            .map(|&v| bf16::from_bits(round_to_bf16(v)))
+            .collect()
+    }
+}
+
+simd! {
+    /// Every element of `x` rounded to the nearest bf16, in place.
+    pub(crate) fn round_in_place<T>(x: &mut [f32]) {
+        for v in x.iter_mut() {
+            *v = f32::from_bits((round_to_bf16(*v) as u32) << 16);
+        }
+    }
+}
