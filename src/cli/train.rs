@@ -1,6 +1,6 @@
 //! `switchyard train`: flags over an optional TOML file over the defaults.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use anyhow::{anyhow, bail, Context};
 use clap::Args;
@@ -9,7 +9,9 @@ use switchyard_models::{GptConfig, OpsBackend, Precision};
 use switchyard_schedule::{ScheduleChoice, ScheduleKind};
 use switchyard_train::data::{self, Corpus, DataSpec, Dataset, TokenWidth};
 use switchyard_train::optim::Decay;
-use switchyard_train::weights;
+mod file;
+
+use file::{load_file, model_of, FileOnly};
 use switchyard_train::{
     train, train_rank, DeviceSpec, Resume, TrainConfig, TrainError, TrainOptions,
 };
@@ -214,121 +216,18 @@ pub enum Backend {
     Mpi,
 }
 
-/// The settings a TOML file may hold besides [`TrainConfig`]'s.
-const FILE_ONLY: [&str; 10] = [
-    "data",
-    "metrics",
-    "trace",
-    "checkpoint_dir",
-    "save_every",
-    "keep",
-    "tokenizer",
-    "token_width",
-    "ops",
-    "precision",
-];
-
-/// The [`FILE_ONLY`] keys of a TOML file, each of its one type.
-#[derive(Default, serde::Deserialize)]
-#[serde(deny_unknown_fields)]
-struct FileOnly {
-    data: Option<PathBuf>,
-    /// The model's `ops` (as `--ops`; `[model] ops` is the same setting).
-    ops: Option<String>,
-    /// The model's `precision` (as `--precision`; `[model] precision` is the same).
-    precision: Option<String>,
-    tokenizer: Option<PathBuf>,
-    token_width: Option<TokenWidth>,
-    metrics: Option<PathBuf>,
-    trace: Option<PathBuf>,
-    checkpoint_dir: Option<PathBuf>,
-    save_every: Option<usize>,
-    keep: Option<usize>,
-}
-
-/// A `--config` file's settings: the run's, the file-only keys, and whether it sets the
-/// model's vocabulary.
-fn load_file(path: &Path) -> anyhow::Result<(TrainConfig<GptConfig>, FileOnly, bool)> {
-    let text = std::fs::read_to_string(path)
-        .with_context(|| format!("cannot read --config {}", path.display()))?;
-    let mut table: toml::Table = text
-        .parse()
-        .with_context(|| format!("--config {} is not valid TOML", path.display()))?;
-    let vocab = table
-        .get("model")
-        .and_then(|m| m.get("vocab_size"))
-        .is_some();
-    let mut extra = toml::Table::new();
-    for k in FILE_ONLY {
-        if let Some(v) = table.remove(k) {
-            extra.insert(k.into(), v);
-        }
-    }
-    let file_error = |e: toml::de::Error| anyhow!("--config {}: {}", path.display(), explain(&e));
-    let extra: FileOnly = toml::Value::Table(extra).try_into().map_err(file_error)?;
-    let cfg: TrainConfig<GptConfig> = toml::Value::Table(table).try_into().map_err(file_error)?;
-    Ok((cfg, extra, vocab))
-}
-
-/// A TOML error as "key `k`: what is wrong, expected what", with TOML's names for types.
-fn explain(e: &toml::de::Error) -> String {
-    let text = e.to_string();
-    let (msg, key) = match text.trim_end().rsplit_once("\nin `") {
-        Some((m, k)) => (
-            m.trim_end().to_string(),
-            Some(k.trim_end_matches('`').to_string()),
-        ),
-        None => (text.trim_end().to_string(), None),
-    };
-    let mut msg = msg
-        .replace("expected usize", "expected a non-negative integer")
-        .replace("expected u64", "expected a non-negative integer")
-        .replace("expected f64", "expected a number")
-        .replace("expected path string", "expected a string (a path)")
-        .replace("integer `-", "negative integer `-");
-    if msg.starts_with("unknown field") && key.is_none() {
-        msg = format!(
-            "{msg}, or one of the file-only keys {}",
-            FILE_ONLY.map(|k| format!("`{k}`")).join(", ")
-        );
-    }
-    match key {
-        Some(k) => format!("key `{k}`: {msg}"),
-        None => msg,
-    }
-}
-
 /// The data a run reads, and whether its vocabulary was given (else the data's is used).
 pub struct DataChoice {
     pub spec: DataSpec,
     pub vocab_given: bool,
 }
 
-/// The model that the weights at `path` describe without reading their tensors: a
-/// Hugging Face directory's `config.json`, or the `config` metadata of a switchyard
-/// export. `None` for a file without it (a PyTorch state dict: the flags say).
-fn model_of(path: &Path) -> anyhow::Result<Option<GptConfig>> {
-    use std::io::Read;
-    if weights::is_hf_dir(path) {
-        let json = weights::read_hf_config(path)?;
-        let (m, _) = switchyard_models::hf::from_hf(&json, Default::default())
-            .with_context(|| path.display().to_string())?;
-        return Ok(Some(m));
-    }
-    // A safetensors file starts with the length of its JSON header.
-    let header = (|| -> Option<serde_json::Value> {
-        let mut f = std::fs::File::open(path).ok()?;
-        let mut len = [0u8; 8];
-        f.read_exact(&mut len).ok()?;
-        let len = usize::try_from(u64::from_le_bytes(len)).ok()?;
-        let mut h = vec![0u8; len.min(100 << 20)];
-        f.read_exact(&mut h).ok()?;
-        serde_json::from_slice(&h).ok()
-    })();
-    Ok(header
-        .as_ref()
-        .and_then(|h| h.get("__metadata__")?.get("config")?.as_str())
-        .and_then(|c| serde_json::from_str(c).ok()))
+/// The error of a `--config` key that names a setting by its name (`ops`, `precision`).
+fn file_key_error(a: &TrainArgs, key: &str, e: &dyn std::fmt::Display) -> anyhow::Error {
+    anyhow!(
+        "--config {}: key `{key}`: {e}",
+        a.config.clone().unwrap_or_default().display()
+    )
 }
 
 /// The configuration and options `a` describes.
@@ -371,23 +270,13 @@ pub fn resolve(
         c.max_memory_per_worker = Some(b);
     }
     if let Some(ops) = &file.ops {
-        c.model.ops = ops.parse().map_err(|e| {
-            anyhow!(
-                "--config {}: key `ops`: {e}",
-                a.config.clone().unwrap_or_default().display()
-            )
-        })?;
+        c.model.ops = ops.parse().map_err(|e| file_key_error(a, "ops", &e))?;
     }
     if let Some(ops) = a.ops {
         c.model.ops = ops;
     }
     if let Some(p) = &file.precision {
-        c.model.precision = p.parse().map_err(|e| {
-            anyhow!(
-                "--config {}: key `precision`: {e}",
-                a.config.clone().unwrap_or_default().display()
-            )
-        })?;
+        c.model.precision = p.parse().map_err(|e| file_key_error(a, "precision", &e))?;
     }
     if let Some(p) = a.precision {
         c.model.precision = p;
