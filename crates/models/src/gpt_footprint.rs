@@ -146,12 +146,13 @@ pub(crate) fn footprint(
         per_microbatch: layers * per_microbatch,
         tensors,
         backward_per_token: match cfg.ops {
-            // At bf16 the MLP's backward widens its kept pre-activation and GELU output
-            // back to f32 first (8·d/tp elements a token, freed with the op's backward).
+            // At bf16 the attention's backward widens its kept q | k | v and output back
+            // to f32 first (4·d/tp elements a token, freed with the op's backward); the
+            // MLP's reads its kept bf16 values as they are.
             OpsBackend::Fused => {
                 5.0 * d
                     + if plan.head { rows } else { 0.0 }
-                    + if kept < 1.0 { 8.0 * d / a } else { 0.0 }
+                    + if kept < 1.0 { 4.0 * d / a } else { 0.0 }
             }
             // Candle's backward holds each node's gradient until it is used, with
             // temporaries of the chain rule: fitted to measurements (`tests/estimate.rs`).

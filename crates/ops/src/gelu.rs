@@ -9,8 +9,10 @@ use std::mem::MaybeUninit;
 
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
+use half::bf16;
 use rayon::prelude::*;
 
+use crate::bf16::{round_into, widen_into};
 use crate::kernel::{self, simd, Float, Uninit};
 use crate::OpsBackend;
 
@@ -204,5 +206,241 @@ impl CustomOp2 for GeluBackward {
             ),
         };
         Ok((out, l1.shape().clone()))
+    }
+}
+
+/// f32 elements per block of the fused bf16 passes below: 16 KiB, which stays in L1
+/// with the block's other buffers (64 under Miri, so that its small tests span blocks).
+const BF16_BLOCK: usize = if cfg!(miri) { 64 } else { 4096 };
+
+/// `y = gelu(x)` on one block (AVX-512 where the CPU has it).
+fn gelu_block(x: &[f32], y: &mut [MaybeUninit<f32>]) {
+    #[cfg(target_arch = "x86_64")]
+    if kernel::avx512() {
+        // SAFETY: the CPU has AVX-512 (checked just above).
+        return unsafe { crate::avx512::gelu(x, y) };
+    }
+    gelu_kernel::<f32>(x, y)
+}
+
+/// `d = g · gelu′(x)` on one block (AVX-512 where the CPU has it).
+fn gelu_grad_block(x: &[f32], g: &[f32], d: &mut [MaybeUninit<f32>]) {
+    #[cfg(target_arch = "x86_64")]
+    if kernel::avx512() {
+        // SAFETY: the CPU has AVX-512 (checked just above).
+        return unsafe { crate::avx512::gelu_grad(x, g, d) };
+    }
+    gelu_grad_kernel::<f32>(x, g, d)
+}
+
+/// The first `n` elements of `y`, all written.
+///
+/// # Safety
+/// `y[..n]` is initialised.
+unsafe fn written(y: &[MaybeUninit<f32>], n: usize) -> &[f32] {
+    // SAFETY: `MaybeUninit<f32>` has f32's layout, and the caller vouches for the values.
+    unsafe { std::slice::from_raw_parts(y.as_ptr().cast::<f32>(), n) }
+}
+
+/// Room for `n` bf16 values, written through `spare_capacity_mut`.
+fn bf16_buffer(n: usize) -> Result<Vec<bf16>> {
+    let mut v = Vec::new();
+    if let Err(e) = v.try_reserve_exact(n) {
+        bail!("switchyard-ops: cannot allocate {n} bf16 elements: {e}")
+    }
+    Ok(v)
+}
+
+/// The MLP's middle at bf16 precision, in one pass over its pre-activation `pre` (the
+/// f32 output of the first product): `(pre, gelu(pre))`, each rounded to bf16, GELU
+/// taken of the rounded values. What the op keeps for its backward and what its second
+/// product reads: the same numbers as rounding `pre` in place, [`gelu_forward`] and
+/// rounding its output, without writing and reading `pre` and the GELU output in f32
+/// (each block of 4,096 elements goes through L1).
+pub(crate) fn gelu_forward_bf16(pre: &[f32]) -> Result<(Vec<bf16>, Vec<bf16>)> {
+    let n = pre.len();
+    let (mut p, mut h) = (bf16_buffer(n)?, bf16_buffer(n)?);
+    let c = chunk(n);
+    p.spare_capacity_mut()[..n]
+        .par_chunks_mut(c)
+        .zip(h.spare_capacity_mut()[..n].par_chunks_mut(c))
+        .zip(pre.par_chunks(c))
+        .for_each(|((p, h), x)| {
+            let mut wide = vec![0f32; BF16_BLOCK.min(x.len())];
+            let mut out = vec![MaybeUninit::<f32>::uninit(); wide.len()];
+            for ((p, h), x) in p
+                .chunks_mut(BF16_BLOCK)
+                .zip(h.chunks_mut(BF16_BLOCK))
+                .zip(x.chunks(BF16_BLOCK))
+            {
+                let b = x.len();
+                round_into::<f32>(x, p);
+                // SAFETY: `round_into` wrote all `b` elements of `p`.
+                let rounded = unsafe { std::slice::from_raw_parts(p.as_ptr().cast::<bf16>(), b) };
+                widen_into::<f32>(rounded, &mut wide[..b]);
+                gelu_block(&wide[..b], &mut out[..b]);
+                // SAFETY: `gelu_block` wrote all `b` elements of `out`.
+                round_into::<f32>(unsafe { written(&out, b) }, h);
+            }
+        });
+    // SAFETY: the chunks of `p`, `h` and `pre` pair up one to one, and each block wrote
+    // every element of its chunk of `p` and `h`.
+    unsafe {
+        p.set_len(n);
+        h.set_len(n);
+    }
+    Ok((p, h))
+}
+
+/// The MLP's middle backward at bf16 precision: `g · gelu′(pre)` for the kept bf16
+/// `pre`, rounded to bf16 (what the first product's two backward products read), and,
+/// with `width`, its column sums over rows of `width` before rounding (the first bias's
+/// gradient, summed as [`crate::linear::column_sums`] sums). One pass, a block of
+/// rows in L1 at a time: no f32 `pre` or gradient is written.
+pub(crate) fn gelu_backward_bf16(
+    pre: &[bf16],
+    g: &[f32],
+    width: Option<usize>,
+) -> Result<(Vec<bf16>, Option<Vec<f32>>)> {
+    let n = pre.len();
+    if g.len() != n {
+        bail!("gelu backward: {} gradients for {n} inputs", g.len())
+    }
+    let w = width.unwrap_or(1).max(1);
+    if !n.is_multiple_of(w) {
+        bail!("gelu backward: {n} elements are not rows of {w}")
+    }
+    let mut d = bf16_buffer(n)?;
+    // Tasks and blocks of whole rows; the tasks' rows as `column_sums` splits them.
+    let per = kernel::rows_per_task(n / w) * w;
+    let block = (BF16_BLOCK / w).max(1) * w;
+    let parts: Vec<Option<Vec<f32>>> = d.spare_capacity_mut()[..n]
+        .par_chunks_mut(per.max(1))
+        .zip(pre.par_chunks(per.max(1)).zip(g.par_chunks(per.max(1))))
+        .map(|(d, (x, g))| {
+            let mut acc = width.map(|w| vec![0f32; w]);
+            let mut wide = vec![0f32; block.min(x.len())];
+            let mut out = vec![MaybeUninit::<f32>::uninit(); wide.len()];
+            for ((d, x), g) in d
+                .chunks_mut(block)
+                .zip(x.chunks(block))
+                .zip(g.chunks(block))
+            {
+                let b = x.len();
+                widen_into::<f32>(x, &mut wide[..b]);
+                gelu_grad_block(&wide[..b], g, &mut out[..b]);
+                // SAFETY: `gelu_grad_block` wrote all `b` elements of `out`.
+                let out = unsafe { written(&out, b) };
+                if let Some(acc) = &mut acc {
+                    crate::linear::col_sums::<f32>(out, acc);
+                }
+                round_into::<f32>(out, d);
+            }
+            acc
+        })
+        .collect();
+    // SAFETY: the chunks of `d`, `pre` and `g` pair up one to one, and each block wrote
+    // every element of its chunk of `d`.
+    unsafe { d.set_len(n) };
+    let sums = width.map(|w| {
+        let mut total = vec![0f32; w];
+        for p in parts.into_iter().flatten() {
+            for (t, v) in total.iter_mut().zip(p) {
+                *t += v;
+            }
+        }
+        total
+    });
+    Ok((d, sums))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::bf16::{to_bf16_vec, widen, Bf16Product};
+    use crate::linear::column_sums;
+
+    /// Pseudo-random values in [-6, 6), with zeros, a tiny and a large one (not so large
+    /// that the derivative makes a NaN, whose sign is not defined).
+    fn values(n: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed;
+        let mut v: Vec<f32> = (0..n)
+            .map(|_| {
+                s = s
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((s >> 40) as f32 / (1u64 << 24) as f32) * 12.0 - 6.0
+            })
+            .collect();
+        v[..4].copy_from_slice(&[0.0, -0.0, 1e-39, 1e4]);
+        v
+    }
+
+    fn bits(v: &[bf16]) -> Vec<u16> {
+        v.iter().map(|x| x.to_bits()).collect()
+    }
+
+    /// Panics at the first element where `a` and `b` differ, naming it.
+    fn same<T: PartialEq + std::fmt::Debug>(a: &[T], b: &[T], what: &str) {
+        assert_eq!(a.len(), b.len(), "{what}: lengths");
+        if let Some(i) = (0..a.len()).find(|&i| a[i] != b[i]) {
+            panic!("{what}: element {i} is {:?}, expected {:?}", a[i], b[i]);
+        }
+    }
+
+    /// The fused bf16 passes give bit for bit what rounding around the f32 kernels
+    /// gives, on both kernels (AVX-512 where the CPU has it, portable), on one thread
+    /// and two, over several blocks and a width that does not divide a block.
+    #[test]
+    fn fused_bf16_gelu_matches_rounding_around_the_f32_kernels() {
+        let (rows, width) = if cfg!(miri) { (40, 12) } else { (3000, 12) };
+        let n = rows * width;
+        let (pre, dh) = (values(n, 1), values(n, 2));
+        for threads in [1, 2] {
+            for portable in [false, true] {
+                let pool = rayon::ThreadPoolBuilder::new()
+                    .num_threads(threads)
+                    .build()
+                    .unwrap();
+                let run = || {
+                    let go = || {
+                        let (p, h) = gelu_forward_bf16(&pre).unwrap();
+                        let mut rounded = pre.clone();
+                        f32::round_bf16(&mut rounded);
+                        same(&bits(&p), &bits(&to_bf16_vec(&rounded)), "pre");
+                        let h_ref = gelu_forward(&rounded).unwrap();
+                        same(&bits(&h), &bits(&to_bf16_vec(&h_ref)), "gelu");
+
+                        let (d, sums) = gelu_backward_bf16(&p, &dh, Some(width)).unwrap();
+                        let d_ref = gelu_backward(&widen(&p), &dh).unwrap();
+                        same(&bits(&d), &bits(&to_bf16_vec(&d_ref)), "gradient");
+                        let f32_bits =
+                            |v: Vec<f32>| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                        same(
+                            &f32_bits(sums.unwrap()),
+                            &f32_bits(column_sums(&d_ref, width)),
+                            "column sums",
+                        );
+                        let (d2, none) = gelu_backward_bf16(&p, &dh, None).unwrap();
+                        same(&bits(&d2), &bits(&d), "gradient without sums");
+                        assert!(none.is_none());
+                    };
+                    match portable {
+                        true => kernel::portable_only(go),
+                        false => go(),
+                    }
+                };
+                pool.install(run);
+            }
+        }
+    }
+
+    #[test]
+    fn fused_bf16_gelu_backward_refuses_mismatched_inputs() {
+        let p = to_bf16_vec(&values(24, 3));
+        let e = gelu_backward_bf16(&p, &values(23, 4), None).unwrap_err();
+        assert!(e.to_string().contains("23 gradients for 24 inputs"), "{e}");
+        let e = gelu_backward_bf16(&p, &values(24, 4), Some(5)).unwrap_err();
+        assert!(e.to_string().contains("not rows of 5"), "{e}");
     }
 }

@@ -330,7 +330,12 @@ pub(crate) fn slice<'a, T: Float>(s: &'a CpuStorage, l: &Layout, op: &str) -> Re
 /// `x` as `&[f32]` when `T` is f32 and the CPU runs the AVX-512 kernels of
 /// [`crate::avx512`]; `None` otherwise (the caller takes its portable path).
 pub(crate) fn avx512_f32<T: Float>(x: &[T]) -> Option<&[f32]> {
-    (cfg!(target_arch = "x86_64") && T::DTYPE == candle_core::DType::F32 && avx512())
+    as_f32(x).filter(|_| cfg!(target_arch = "x86_64") && avx512())
+}
+
+/// `x` as f32, when `T` is f32 (the bf16 paths of the fused ops, which run on f32 only).
+pub(crate) fn as_f32<T: Float>(x: &[T]) -> Option<&[f32]> {
+    (T::DTYPE == candle_core::DType::F32)
         // SAFETY: T is f32 (its dtype says so): the cast is the identity.
         .then(|| unsafe { std::slice::from_raw_parts(x.as_ptr().cast::<f32>(), x.len()) })
 }

@@ -20,6 +20,9 @@ use candle_core::{
 use rayon::prelude::*;
 
 use crate::gelu::{gelu_backward, gelu_forward};
+use half::bf16;
+
+use crate::bf16::{Held, HeldMat};
 use crate::kernel::{self, matmul, simd, slice, view, Dst, Float, Mat, Uninit};
 
 use crate::{composed, OpsBackend, Precision};
@@ -128,19 +131,33 @@ pub(crate) fn check_precision(op: &str, precision: Precision, x: &Tensor) -> Res
 /// `dst = (Add ? dst : 0) + a · b` at `prec`: the f32 (or f64) product of
 /// [`kernel::matmul`], or bf16 products with f32 sums ([`crate::bf16`]).
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn product<T: Float>(
+pub(crate) fn product<'a, T: Float>(
     prec: Precision,
     m: usize,
     n: usize,
     k: usize,
     dst: Dst<T>,
     ld: usize,
-    a: Mat<T>,
-    b: Mat<T>,
+    a: impl Into<HeldMat<'a, T>>,
+    b: impl Into<HeldMat<'a, T>>,
 ) {
+    match (prec, a.into(), b.into()) {
+        (Precision::F32, HeldMat::Full(a), HeldMat::Full(b)) => {
+            matmul(m, n, k, dst, ld, a, b, true)
+        }
+        (Precision::F32, _, _) => {
+            unreachable!("operands are held as bf16 only at bf16 precision")
+        }
+        (Precision::Bf16, a, b) => T::product_bf16(m, n, k, dst, ld, a, b),
+    }
+}
+
+/// `x` rounded to bf16 once at [`Precision::Bf16`] (f32), for the products that read
+/// it (see [`Held`]); `None` otherwise.
+pub(crate) fn halve_at<T: Float>(prec: Precision, x: &[T]) -> Option<Vec<bf16>> {
     match prec {
-        Precision::F32 => matmul(m, n, k, dst, ld, a, b, true),
-        Precision::Bf16 => T::product_bf16(m, n, k, dst, ld, a, b),
+        Precision::Bf16 => T::halve(x),
+        Precision::F32 => None,
     }
 }
 
@@ -163,7 +180,7 @@ simd! {
 
 simd! {
     /// `acc[j] += Σ_rows g[row, j]` over the `acc.len()`-wide rows of `g`.
-    fn col_sums<T>(g: &[T], acc: &mut [T]) {
+    pub(crate) fn col_sums<T>(g: &[T], acc: &mut [T]) {
         for row in g.chunks_exact(acc.len()) {
             for (a, &v) in acc.iter_mut().zip(row) {
                 *a += v;
@@ -200,7 +217,7 @@ pub(crate) fn column_sums<T: Float>(g: &[T], width: usize) -> Vec<T> {
 /// and the bias added after.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn affine_forward<T: Float>(
-    x: &[T],
+    x: Held<T>,
     in_f: usize,
     w: &[T],
     ldw: usize,
@@ -211,7 +228,7 @@ pub(crate) fn affine_forward<T: Float>(
 ) -> Result<Vec<T>> {
     let rows = x.len() / in_f.max(1);
     let mut y = Uninit::<T>::new(rows * out)?;
-    let (xm, wm) = (Mat::rows(x, in_f), Mat::rows(w, ldw));
+    let (xm, wm) = (x.rows(in_f), Mat::rows(w, ldw));
     let mut y = match (b, reduce) {
         (Some(b), None) => {
             // The bias first, then the product accumulated onto it.
@@ -253,7 +270,7 @@ pub(crate) fn affine_forward<T: Float>(
 /// The input gradient of [`affine_forward`]: `dx = G · w` (`G` `[rows, out]`, `w` as
 /// there), `[rows, in]`.
 pub(crate) fn affine_input_grad<T: Float>(
-    g: &[T],
+    g: Held<T>,
     w: &[T],
     ldw: usize,
     in_f: usize,
@@ -262,7 +279,7 @@ pub(crate) fn affine_input_grad<T: Float>(
 ) -> Result<Vec<T>> {
     let rows = g.len() / out.max(1);
     let mut dx = Uninit::<T>::new(rows * in_f)?;
-    let (gm, wm) = (Mat::rows(g, out), Mat::rows(w, ldw));
+    let (gm, wm) = (g.rows(out), Mat::rows(w, ldw));
     product(
         prec,
         rows,
@@ -282,7 +299,7 @@ pub(crate) fn affine_input_grad<T: Float>(
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn input_grad<T: Float>(
     x: &Tensor,
-    g: &[T],
+    g: Held<T>,
     w: &[T],
     ldw: usize,
     in_f: usize,
@@ -302,22 +319,24 @@ pub(crate) fn input_grad<T: Float>(
 }
 
 /// The weight gradient of [`affine_forward`] as `[out, ld]` rows: `Gᵀ · x` in the first
-/// `in` columns and, with `bias_column` (`ld = in + 1`), `Σ_rows G` in the last.
+/// `in` columns and, with `bias` (`Σ_rows G`, [`column_sums`]; `ld = in + 1`), the bias's
+/// gradient in the last.
 pub(crate) fn affine_weight_grad<T: Float>(
-    g: &[T],
-    x: &[T],
+    g: Held<T>,
+    x: Held<T>,
     in_f: usize,
     out: usize,
     ld: usize,
-    bias_column: bool,
+    bias: Option<Vec<T>>,
     prec: Precision,
 ) -> Result<Vec<T>> {
     let rows = x.len() / in_f.max(1);
+    let bias_column = bias.is_some();
     if ld != in_f + bias_column as usize {
         bail!("affine_weight_grad: row stride {ld} for {in_f} inputs (bias column {bias_column})")
     }
     let mut dw = Uninit::<T>::new(out * ld)?;
-    let (gm, xm) = (Mat::rows(g, out), Mat::rows(x, in_f));
+    let (gm, xm) = (g.rows(out), x.rows(in_f));
     product(
         prec,
         out,
@@ -328,9 +347,9 @@ pub(crate) fn affine_weight_grad<T: Float>(
         gm.t(),
         xm,
     );
-    if bias_column {
+    if let Some(sums) = bias {
         let dw = dw.as_mut();
-        for (i, v) in column_sums(g, out).into_iter().enumerate() {
+        for (i, v) in sums.into_iter().enumerate() {
             dw[i * ld + in_f].write(v);
         }
     }
@@ -359,7 +378,7 @@ impl Linear {
         let (out_f, in_f) = w_layout.shape().dims2()?;
         let reduce = self.opts.reduce_output.as_ref();
         let prec = self.opts.precision;
-        let mut y = affine_forward(x, in_f, w, in_f, b, out_f, reduce, prec)?;
+        let mut y = affine_forward(Held::Full(x), in_f, w, in_f, b, out_f, reduce, prec)?;
         let mut out_dims = shape.dims().to_vec();
         *out_dims.last_mut().expect("rank ≥ 2") = out_f;
         if !self.opts.gelu {
@@ -397,13 +416,16 @@ impl Linear {
         };
         let reduce = self.opts.reduce_input_grad.as_ref();
         let prec = self.opts.precision;
-        let dx = input_grad(x, &g, ws, in_f, in_f, out_f, reduce, prec)?;
-        let dw = affine_weight_grad(&g, xs, in_f, out_f, in_f, false, prec)?;
-        let dw = kernel::tensor(dw, (out_f, in_f))?;
         let db = match has_bias {
             true => Some(kernel::tensor(column_sums(&g, out_f), out_f)?),
             false => None,
         };
+        // Both products read `G`: at bf16 it is rounded once, not packed from f32 twice.
+        let half = halve_at(prec, &g);
+        let gh = Held::of(&g, half.as_deref());
+        let dx = input_grad(x, gh, ws, in_f, in_f, out_f, reduce, prec)?;
+        let dw = affine_weight_grad(gh, Held::Full(xs), in_f, out_f, in_f, None, prec)?;
+        let dw = kernel::tensor(dw, (out_f, in_f))?;
         Ok((dx, dw, db))
     }
 }

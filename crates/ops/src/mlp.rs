@@ -29,10 +29,12 @@ use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, D};
 
 use crate::attention::AttentionEpilogue;
-use crate::gelu::{gelu_backward, gelu_forward};
+use crate::bf16::Held;
+use crate::gelu::{gelu_backward, gelu_backward_bf16, gelu_forward, gelu_forward_bf16};
 use crate::kernel::{self, slice, view, Float};
 use crate::linear::{
-    affine_forward, affine_input_grad, affine_weight_grad, check_precision, input_grad, Reduce,
+    affine_forward, affine_input_grad, affine_weight_grad, check_precision, column_sums, halve_at,
+    input_grad, Reduce,
 };
 use crate::{composed, OpsBackend, Precision};
 
@@ -278,23 +280,47 @@ impl Pair {
         };
         let b1 = bias(self.bias[0], w1, n1, ld1);
         let prec = self.opts.precision;
-        let mut pre = affine_forward(x, d, w1, ld1, b1.as_deref(), n1, None, prec)?;
-        if prec == Precision::Bf16 {
-            // The middle function and the backward see the same (bf16) values.
-            T::round_bf16(&mut pre);
-        }
-        let h = match &self.attention {
-            Some(attn) => attn.forward(&pre, &self.pre_shape(shape))?.0,
-            None => gelu_forward(&pre)?,
+        let pre = affine_forward(Held::Full(x), d, w1, ld1, b1.as_deref(), n1, None, prec)?;
+        // The middle function. At bf16 `pre` and `h` are rounded to bf16: the middle
+        // function and the backward see the same values, the second product reads `h`
+        // so, and the backward keeps both so. The MLP does it in one pass over `pre`.
+        let fused = match (&self.attention, prec) {
+            (None, Precision::Bf16) => kernel::as_f32(&pre).map(gelu_forward_bf16).transpose()?,
+            _ => None,
+        };
+        let (pre, h, half) = match fused {
+            Some((pre, h)) => (CpuStorage::BF16(pre), Vec::new(), Some(h)),
+            None => {
+                let mut pre = pre;
+                if prec == Precision::Bf16 {
+                    T::round_bf16(&mut pre);
+                }
+                let h = match &self.attention {
+                    Some(attn) => attn.forward(&pre, &self.pre_shape(shape))?.0,
+                    None => gelu_forward(&pre)?,
+                };
+                let half = halve_at(prec, &h);
+                (T::keep(pre, prec), h, half)
+            }
         };
         let b2 = bias(self.bias[1], w2, out, ld2);
         let reduce = self.opts.reduce_output.as_ref();
-        let y = affine_forward(&h, mid, w2, ld2, b2.as_deref(), out, reduce, prec)?;
-        let h = match self.recomputes_h() {
-            true => None,
-            false => Some(T::keep(h, prec)),
+        let y = affine_forward(
+            Held::of(&h, half.as_deref()),
+            mid,
+            w2,
+            ld2,
+            b2.as_deref(),
+            out,
+            reduce,
+            prec,
+        )?;
+        let h = match (self.recomputes_h(), half) {
+            (true, _) => None,
+            (false, Some(half)) => Some(CpuStorage::BF16(half)),
+            (false, None) => Some(T::keep(h, prec)),
         };
-        let _ = self.saved.set((T::keep(pre, prec), h));
+        let _ = self.saved.set((pre, h));
         let mut dims = shape.dims().to_vec();
         *dims.last_mut().expect("rank ≥ 2") = out;
         Ok((T::to_cpu_storage_owned(y), Shape::from(dims)))
@@ -313,12 +339,25 @@ impl Pair {
         let Some((pre, h)) = self.saved.get() else {
             bail!("{}: backward before forward", Self::NAME)
         };
-        let pre = T::kept(pre)?;
-        let h = match h {
-            Some(h) => T::kept(h)?,
-            None => gelu_forward(&pre)?.into(),
+        let prec = self.opts.precision;
+        // At bf16 the MLP's GELU backward reads its kept bf16 `pre` in one fused pass;
+        // `pre` is widened only for the other middle functions, or to recompute `h`.
+        let fused = self.attention.is_none()
+            && prec == Precision::Bf16
+            && matches!(pre, CpuStorage::BF16(_));
+        let wide = match (fused, h) {
+            (true, Some(_)) => None,
+            _ => Some(T::kept(pre)?),
         };
-        let (pre, h, prec) = (&pre[..], &h[..], self.opts.precision);
+        // `h` as the products read it (kept bf16 is not widened for them).
+        let recomputed: Vec<T> = match (h, &wide) {
+            (None, Some(pre)) => gelu_forward(pre)?,
+            _ => Vec::new(),
+        };
+        let h_held = match h {
+            Some(h) => T::held(h)?,
+            None => Held::Full(&recomputed[..]),
+        };
         let grad = grad.contiguous()?;
         let n = Self::NAME;
         let (xv, w1v, w2v, gv) = (view(x, n)?, view(w1, n)?, view(w2, n)?, view(&grad, n)?);
@@ -329,17 +368,50 @@ impl Pair {
             gv.get::<T>()?,
         );
         // The second affine map (`g`'s backward is the identity), then the middle
-        // function, then the first.
-        let dw2 = affine_weight_grad(g, h, mid, out, ld2, self.bias[1], prec)?;
-        let dh = affine_input_grad(g, w2s, ld2, mid, out, prec)?;
-        let dpre = match &self.attention {
-            Some(attn) => attn.backward(pre, h, &dh, &self.pre_shape(x.shape()))?,
-            None => gelu_backward(pre, &dh)?,
+        // function, then the first. At bf16 each operand that two products read (`G`,
+        // then `dpre`) is rounded once.
+        let sums = |on: bool, g: &[T], width: usize| on.then(|| column_sums(g, width));
+        let half = halve_at(prec, g);
+        let gh = Held::of(g, half.as_deref());
+        let db2 = sums(self.bias[1], g, out);
+        let dw2 = affine_weight_grad(gh, h_held, mid, out, ld2, db2, prec)?;
+        let dh = affine_input_grad(gh, w2s, ld2, mid, out, prec)?;
+        drop((half, recomputed));
+        let middle = match (fused, pre, kernel::as_f32(&dh)) {
+            (true, CpuStorage::BF16(pre), Some(dh)) => {
+                let width = self.bias[0].then_some(n1);
+                let (dpre, db1) = gelu_backward_bf16(pre, dh, width)?;
+                let db1 = db1.map(|v| v.into_iter().map(|s| T::from_f64(s as f64)).collect());
+                Some((Vec::new(), Some(dpre), db1))
+            }
+            _ => None,
+        };
+        let (dpre, half, db1) = match (middle, wide) {
+            (Some(m), _) => m,
+            (None, Some(pre)) => {
+                let dpre = match &self.attention {
+                    Some(attn) => {
+                        let h = match h {
+                            Some(h) => T::kept(h)?,
+                            None => bail!("{n}: the attention's output was not kept"),
+                        };
+                        attn.backward(&pre, &h, &dh, &self.pre_shape(x.shape()))?
+                    }
+                    None => gelu_backward(&pre, &dh)?,
+                };
+                let db1 = sums(self.bias[0], &dpre, n1);
+                let half = halve_at(prec, &dpre);
+                // With a bf16 copy, only it is read from here on: the f32 one is freed.
+                let dpre = if half.is_some() { Vec::new() } else { dpre };
+                (dpre, half, db1)
+            }
+            (None, None) => bail!("{n}: the pre-activation was not widened"),
         };
         drop(dh);
-        let dw1 = affine_weight_grad(&dpre, xs, d, n1, ld1, self.bias[0], prec)?;
+        let dpre = Held::of(&dpre, half.as_deref());
+        let dw1 = affine_weight_grad(dpre, Held::Full(xs), d, n1, ld1, db1, prec)?;
         let reduce = self.opts.reduce_input_grad.as_ref();
-        let dx = input_grad(x, &dpre, w1s, ld1, d, n1, reduce, prec)?;
+        let dx = input_grad(x, dpre, w1s, ld1, d, n1, reduce, prec)?;
         Ok((
             dx,
             kernel::tensor(dw1, (n1, ld1))?,

@@ -2,6 +2,8 @@
 //! loops of it vectorise), and the element loops compiled twice by `simd!` (AVX-512
 //! chosen at run time).
 
+use std::mem::MaybeUninit;
+
 use half::bf16;
 
 use crate::kernel::simd;
@@ -106,6 +108,24 @@ simd! {
     pub(crate) fn round_in_place<T>(x: &mut [f32]) {
         for v in x.iter_mut() {
             *v = f32::from_bits((round_to_bf16(*v) as u32) << 16);
+        }
+    }
+}
+
+simd! {
+    /// `dst[i] = src[i]` rounded to the nearest bf16, into a buffer being filled.
+    pub(crate) fn round_into<T>(src: &[f32], dst: &mut [MaybeUninit<bf16>]) {
+        for (d, &s) in dst.iter_mut().zip(src) {
+            d.write(bf16::from_bits(round_to_bf16(s)));
+        }
+    }
+}
+
+simd! {
+    /// `dst[i] = src[i]` widened to f32 (exact).
+    pub(crate) fn widen_into<T>(src: &[bf16], dst: &mut [f32]) {
+        for (d, s) in dst.iter_mut().zip(src) {
+            *d = f32::from_bits((s.to_bits() as u32) << 16);
         }
     }
 }

@@ -69,7 +69,7 @@ mod tests;
 use convert::round_in_place;
 #[cfg(test)]
 use convert::round_to_bf16;
-pub(crate) use convert::{to_bf16_vec, widen, ToBf16};
+pub(crate) use convert::{round_into, to_bf16_vec, widen, widen_into, ToBf16};
 pub(crate) use pack::{b_index, pack_a, pack_b, PackedA, PackedB, B_BLOCK};
 
 pub use linear::{linear_bf16, linear_bf16_on};
@@ -130,11 +130,69 @@ impl std::fmt::Display for Bf16Kernel {
     }
 }
 
+/// Rows of an operand as a fused op holds them: in its own element type, or as bf16
+/// values rounded once already (at [`Precision::Bf16`], an operand that two products
+/// read, or one kept as bf16 for the backward), which the products pack by copying.
+#[derive(Clone, Copy)]
+pub(crate) enum Held<'a, T> {
+    Full(&'a [T]),
+    Half(&'a [bf16]),
+}
+
+impl<'a, T> Held<'a, T> {
+    /// `half` when there is one, else `full`.
+    pub(crate) fn of(full: &'a [T], half: Option<&'a [bf16]>) -> Self {
+        match half {
+            Some(h) => Held::Half(h),
+            None => Held::Full(full),
+        }
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        match self {
+            Held::Full(x) => x.len(),
+            Held::Half(x) => x.len(),
+        }
+    }
+
+    /// As a row-major matrix of row stride `ld`.
+    pub(crate) fn rows(self, ld: usize) -> HeldMat<'a, T> {
+        match self {
+            Held::Full(x) => HeldMat::Full(Mat::rows(x, ld)),
+            Held::Half(x) => HeldMat::Half(Mat::rows(x, ld)),
+        }
+    }
+}
+
+/// A matrix operand of [`crate::linear::product`]: see [`Held`].
+#[derive(Clone, Copy)]
+pub(crate) enum HeldMat<'a, T> {
+    Full(Mat<'a, T>),
+    Half(Mat<'a, bf16>),
+}
+
+impl<T> HeldMat<'_, T> {
+    /// The transpose (no copy).
+    pub(crate) fn t(self) -> Self {
+        match self {
+            HeldMat::Full(m) => HeldMat::Full(m.t()),
+            HeldMat::Half(m) => HeldMat::Half(m.t()),
+        }
+    }
+}
+
+impl<'a, T> From<Mat<'a, T>> for HeldMat<'a, T> {
+    fn from(m: Mat<'a, T>) -> Self {
+        HeldMat::Full(m)
+    }
+}
+
 /// What the fused ops do at [`Precision::Bf16`], for each of their element types: f32
-/// rounds the operands of its products to bf16 as it packs them and sums in f32 (on
-/// [`Bf16Kernel::best`]), and keeps its saved activations as bf16. f64 never runs at
-/// bf16 (the ops refuse bf16 precision for anything but f32): its products stay f64 and
-/// what it keeps stays f64.
+/// rounds the operands of its products to bf16 as it packs them (or takes them rounded
+/// already, [`Held::Half`]) and sums in f32 (on [`Bf16Kernel::best`]), and keeps its
+/// saved activations as bf16. f64 never runs at bf16 (the ops refuse bf16 precision for
+/// anything but f32): its products stay f64, what it keeps stays f64, and it never
+/// holds bf16 operands.
 pub(crate) trait Bf16Product: Sized + Copy {
     #[allow(clippy::too_many_arguments)]
     fn product_bf16(
@@ -143,12 +201,16 @@ pub(crate) trait Bf16Product: Sized + Copy {
         k: usize,
         dst: Dst<Self>,
         ld: usize,
-        a: Mat<Self>,
-        b: Mat<Self>,
+        a: HeldMat<Self>,
+        b: HeldMat<Self>,
     );
 
     /// Rounds `x` to bf16 values in place (f32); leaves f64 alone.
     fn round_bf16(x: &mut [Self]);
+
+    /// `x` rounded to bf16 once, for the products that read it at [`Precision::Bf16`]
+    /// (f32); `None` for f64, whose products read it as it is.
+    fn halve(x: &[Self]) -> Option<Vec<bf16>>;
 
     /// `x` as the storage an op keeps for its backward: bf16 at [`Precision::Bf16`]
     /// (f32 only), `x` itself otherwise.
@@ -156,6 +218,9 @@ pub(crate) trait Bf16Product: Sized + Copy {
 
     /// What [`Bf16Product::keep`] made, back in this type (bf16 widened, exactly).
     fn kept(s: &CpuStorage) -> candle_core::Result<Cow<'_, [Self]>>;
+
+    /// What [`Bf16Product::keep`] made, as the products read it (bf16 not widened).
+    fn held(s: &CpuStorage) -> candle_core::Result<Held<'_, Self>>;
 }
 
 impl Bf16Product for f32 {
@@ -165,14 +230,24 @@ impl Bf16Product for f32 {
         k: usize,
         dst: Dst<f32>,
         ld: usize,
-        a: Mat<f32>,
-        b: Mat<f32>,
+        a: HeldMat<f32>,
+        b: HeldMat<f32>,
     ) {
-        gemm(Bf16Kernel::best(), m, n, k, dst, ld, a, b)
+        let kernel = Bf16Kernel::best();
+        match (a, b) {
+            (HeldMat::Full(a), HeldMat::Full(b)) => gemm(kernel, m, n, k, dst, ld, a, b),
+            (HeldMat::Full(a), HeldMat::Half(b)) => gemm(kernel, m, n, k, dst, ld, a, b),
+            (HeldMat::Half(a), HeldMat::Full(b)) => gemm(kernel, m, n, k, dst, ld, a, b),
+            (HeldMat::Half(a), HeldMat::Half(b)) => gemm(kernel, m, n, k, dst, ld, a, b),
+        }
     }
 
     fn round_bf16(x: &mut [f32]) {
         round_in_place::<f32>(x)
+    }
+
+    fn halve(x: &[f32]) -> Option<Vec<bf16>> {
+        Some(to_bf16_vec(x))
     }
 
     fn keep(x: Vec<f32>, prec: Precision) -> CpuStorage {
@@ -188,6 +263,13 @@ impl Bf16Product for f32 {
             s => Cow::Borrowed(s.as_slice::<f32>()?),
         })
     }
+
+    fn held(s: &CpuStorage) -> candle_core::Result<Held<'_, f32>> {
+        Ok(match s {
+            CpuStorage::BF16(v) => Held::Half(v),
+            s => Held::Full(s.as_slice::<f32>()?),
+        })
+    }
 }
 
 impl Bf16Product for f64 {
@@ -197,13 +279,22 @@ impl Bf16Product for f64 {
         k: usize,
         dst: Dst<f64>,
         ld: usize,
-        a: Mat<f64>,
-        b: Mat<f64>,
+        a: HeldMat<f64>,
+        b: HeldMat<f64>,
     ) {
-        crate::kernel::matmul(m, n, k, dst, ld, a, b, true)
+        match (a, b) {
+            (HeldMat::Full(a), HeldMat::Full(b)) => {
+                crate::kernel::matmul(m, n, k, dst, ld, a, b, true)
+            }
+            _ => unreachable!("f64 operands are never held as bf16 (`halve` gives none)"),
+        }
     }
 
     fn round_bf16(_: &mut [f64]) {}
+
+    fn halve(_: &[f64]) -> Option<Vec<bf16>> {
+        None
+    }
 
     fn keep(x: Vec<f64>, _: Precision) -> CpuStorage {
         CpuStorage::F64(x)
@@ -211,6 +302,10 @@ impl Bf16Product for f64 {
 
     fn kept(s: &CpuStorage) -> candle_core::Result<Cow<'_, [f64]>> {
         Ok(Cow::Borrowed(s.as_slice::<f64>()?))
+    }
+
+    fn held(s: &CpuStorage) -> candle_core::Result<Held<'_, f64>> {
+        Ok(Held::Full(s.as_slice::<f64>()?))
     }
 }
 
