@@ -18,11 +18,30 @@ pub(crate) trait ToBf16: Copy + Send + Sync {
     }
     /// The value itself, in f32 (exact).
     fn f32(self) -> f32;
+    /// `x`'s bf16 bits, when it is bf16 already.
+    fn as_bits(_x: &[Self]) -> Option<&[u16]> {
+        None
+    }
 }
 
 impl ToBf16 for bf16 {
     fn bits(self) -> u16 {
         self.to_bits()
+    }
+    fn as_bits(x: &[bf16]) -> Option<&[u16]> {
+        // SAFETY: `half::bf16` is `#[repr(transparent)]` over its `u16` bits.
+        Some(unsafe { std::slice::from_raw_parts(x.as_ptr().cast::<u16>(), x.len()) })
+    }
+    /// A copy; the packing's rows of 32 as one fixed-size move (no `memcpy` call).
+    fn row_bits(src: &[bf16], dst: &mut [u16]) {
+        let src = &Self::as_bits(src).expect("bf16 is its bits")[..dst.len()];
+        match (
+            <&mut [u16; 32]>::try_from(&mut *dst),
+            <&[u16; 32]>::try_from(src),
+        ) {
+            (Ok(d), Ok(s)) => *d = *s,
+            _ => dst.copy_from_slice(src),
+        }
     }
     fn f32(self) -> f32 {
         self.to_f32()

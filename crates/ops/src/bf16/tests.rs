@@ -6,11 +6,12 @@ use super::*;
 use crate::kernel::{test_data, Dst};
 use crate::OpsBackend;
 
-/// The shapes: edges of the 32-blocks, a single row, column and depth, and (not under
-/// Miri, which interprets slowly) blocks of rows larger than one task's.
+/// The shapes: edges of the 32-blocks, a single row, column and depth, whole blocks
+/// (whose contiguous bf16 rows are their own packing), and (not under Miri, which
+/// interprets slowly) blocks of rows larger than one task's.
 fn shapes() -> Vec<(usize, usize, usize)> {
     if cfg!(miri) {
-        return vec![(1, 1, 1), (5, 17, 31), (3, 33, 40)];
+        return vec![(1, 1, 1), (5, 17, 31), (3, 33, 40), (32, 5, 32)];
     }
     vec![
         (1, 1, 1),
