@@ -230,6 +230,15 @@ pub(crate) fn affine_forward<T: Float>(
     let mut y = Uninit::<T>::new(rows * out)?;
     let (xm, wm) = (x.rows(in_f), Mat::rows(w, ldw));
     let mut y = match (b, reduce) {
+        // At bf16 the product adds the bias block by block (f64 never runs at bf16: its
+        // `product_bf16_bias` declines and it goes on to the next arm).
+        (Some(b), None)
+            if prec == Precision::Bf16
+                && T::product_bf16_bias(rows, out, in_f, y.as_mut(), xm, wm.t().into(), b) =>
+        {
+            // SAFETY: the product wrote all `rows × out` elements (row stride `out`).
+            unsafe { y.assume_init() }
+        }
         (Some(b), None) => {
             // The bias first, then the product accumulated onto it.
             for row in y.as_mut().chunks_exact_mut(out) {

@@ -41,6 +41,7 @@
 //! (`crate::linear::product`); [`linear_bf16`] is a standalone op with a bf16 output.
 
 use std::borrow::Cow;
+use std::mem::MaybeUninit;
 use std::sync::OnceLock;
 
 use candle_core::CpuStorage;
@@ -205,6 +206,20 @@ pub(crate) trait Bf16Product: Sized + Copy {
         b: HeldMat<Self>,
     );
 
+    /// `dst = bias + a · b` (`dst` `m × n`, row stride `n`), bf16 products adding the
+    /// bias block by block ([`gemm_bias`]); whether it did (f32), or left `dst` alone
+    /// (f64, which never runs at bf16).
+    #[allow(clippy::too_many_arguments)]
+    fn product_bf16_bias(
+        m: usize,
+        n: usize,
+        k: usize,
+        dst: &mut [MaybeUninit<Self>],
+        a: HeldMat<Self>,
+        b: HeldMat<Self>,
+        bias: &[Self],
+    ) -> bool;
+
     /// Rounds `x` to bf16 values in place (f32); leaves f64 alone.
     fn round_bf16(x: &mut [Self]);
 
@@ -240,6 +255,25 @@ impl Bf16Product for f32 {
             (HeldMat::Half(a), HeldMat::Full(b)) => gemm(kernel, m, n, k, dst, ld, a, b),
             (HeldMat::Half(a), HeldMat::Half(b)) => gemm(kernel, m, n, k, dst, ld, a, b),
         }
+    }
+
+    fn product_bf16_bias(
+        m: usize,
+        n: usize,
+        k: usize,
+        dst: &mut [MaybeUninit<f32>],
+        a: HeldMat<f32>,
+        b: HeldMat<f32>,
+        bias: &[f32],
+    ) -> bool {
+        let (kernel, d, bias) = (Bf16Kernel::best(), Dst::Uninit(dst), Some(bias));
+        match (a, b) {
+            (HeldMat::Full(a), HeldMat::Full(b)) => gemm_bias(kernel, m, n, k, d, n, a, b, bias),
+            (HeldMat::Full(a), HeldMat::Half(b)) => gemm_bias(kernel, m, n, k, d, n, a, b, bias),
+            (HeldMat::Half(a), HeldMat::Full(b)) => gemm_bias(kernel, m, n, k, d, n, a, b, bias),
+            (HeldMat::Half(a), HeldMat::Half(b)) => gemm_bias(kernel, m, n, k, d, n, a, b, bias),
+        }
+        true
     }
 
     fn round_bf16(x: &mut [f32]) {
@@ -290,6 +324,18 @@ impl Bf16Product for f64 {
         }
     }
 
+    fn product_bf16_bias(
+        _: usize,
+        _: usize,
+        _: usize,
+        _: &mut [MaybeUninit<f64>],
+        _: HeldMat<f64>,
+        _: HeldMat<f64>,
+        _: &[f64],
+    ) -> bool {
+        false
+    }
+
     fn round_bf16(_: &mut [f64]) {}
 
     fn halve(_: &[f64]) -> Option<Vec<bf16>> {
@@ -338,6 +384,24 @@ pub(crate) fn gemm<A: ToBf16, B: ToBf16>(
     a: Mat<A>,
     b: Mat<B>,
 ) {
+    gemm_bias(kernel, m, n, k, dst, ld, a, b, None)
+}
+
+/// [`gemm`], and with `bias` (`n` values; not with [`Dst::Add`]) `dst = bias + a · b`:
+/// the bias is added to each block of `dst` as its first chunk of depths is written,
+/// while the block is in L1, instead of being written over all of `dst` first.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn gemm_bias<A: ToBf16, B: ToBf16>(
+    kernel: Bf16Kernel,
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: Dst<f32>,
+    ld: usize,
+    a: Mat<A>,
+    b: Mat<B>,
+    bias: Option<&[f32]>,
+) {
     let (ptr, len, accumulate) = match dst {
         Dst::Uninit(d) => (d.as_mut_ptr().cast::<f32>(), d.len(), false),
         Dst::Set(d) => (d.as_mut_ptr(), d.len(), false),
@@ -351,6 +415,10 @@ pub(crate) fn gemm<A: ToBf16, B: ToBf16>(
         a.fits(m, k) && b.fits(k, n),
         "bf16 gemm: operands out of bounds"
     );
+    assert!(
+        bias.is_none_or(|b| b.len() >= n && !accumulate),
+        "bf16 gemm: a bias of n values, onto a destination that is written, not added to"
+    );
     if m == 0 || n == 0 {
         return;
     }
@@ -361,22 +429,36 @@ pub(crate) fn gemm<A: ToBf16, B: ToBf16>(
         // SAFETY: `r < m`, `j + w ≤ n ≤ ld`: inside the destination checked above.
         unsafe { out.ptr().add(r * ld + j) }
     };
+    // Writes the bias (or zeros) over the destination: before an empty sum, or before
+    // the emulated kernel adds onto it.
+    let place = || {
+        for r in 0..m {
+            // SAFETY: `n` elements of row `r` (see `row`), exclusively borrowed.
+            unsafe {
+                match bias {
+                    Some(b) => std::ptr::copy_nonoverlapping(b.as_ptr(), row(r, 0, n), n),
+                    None => std::ptr::write_bytes(row(r, 0, n), 0, n),
+                }
+            }
+        }
+    };
     if k == 0 {
         // An empty sum; the kernels need at least one block of depth.
         if !accumulate {
-            for r in 0..m {
-                // SAFETY: `n` elements of row `r` (see `row`), exclusively borrowed.
-                unsafe { std::ptr::write_bytes(row(r, 0, n), 0, n) };
-            }
+            place();
         }
         return;
     }
     let pa = pack_a(a, m, k);
     let pb = pack_b(b, k, n);
     if kernel == Bf16Kernel::Emulated {
+        if bias.is_some() {
+            place();
+        }
         // SAFETY: the destination's bounds were checked above; it is exclusively
-        // borrowed (it overlaps neither packed operand) and with `Add` initialised.
-        return unsafe { emulated(&pa, &pb, m, n, k, ptr, ld, accumulate) };
+        // borrowed (it overlaps neither packed operand) and with `Add` (or a bias just
+        // placed) initialised.
+        return unsafe { emulated(&pa, &pb, m, n, k, ptr, ld, accumulate || bias.is_some()) };
     }
     // Depths are taken `KC` at a time, so that a block of rows of `A` and the part of
     // every panel of `B` it meets stay in L2 (a product over 4,096 tokens, a weight's
@@ -418,9 +500,26 @@ pub(crate) fn gemm<A: ToBf16, B: ToBf16>(
                         unsafe {
                             amx::block(tiles, a_rows, pa.kp, depth, panel, row(i, j, w), ld, add)
                         };
+                        if let (Some(b), false) = (bias, add) {
+                            for r in 0..BLOCK {
+                                let d = row(i + r, j, w);
+                                for (x, &v) in b[j..j + w].iter().enumerate() {
+                                    // SAFETY: element `x < w` of a row of this task's
+                                    // block, just written by the kernel (see above).
+                                    unsafe { *d.add(x) += v };
+                                }
+                            }
+                        }
                         continue;
                     }
                     block(kernel, tiles.as_ref(), a_rows, pa.kp, depth, panel, &mut c);
+                    if let (Some(b), false) = (bias, add) {
+                        for cr in c.chunks_exact_mut(BLOCK) {
+                            for (x, &v) in cr.iter_mut().zip(&b[j..j + w]) {
+                                *x += v;
+                            }
+                        }
+                    }
                     for r in 0..h {
                         let (d, s) = (row(i + r, j, w), &c[r * BLOCK..r * BLOCK + w]);
                         // SAFETY: `w` elements of a row of this task's rows (see `row`);

@@ -116,6 +116,44 @@ fn every_kernel_is_the_product_of_the_bf16_values_summed_in_f32() {
 }
 
 #[test]
+fn a_bias_is_added_once_to_every_row() {
+    // Whole blocks and edges, several chunks of depth (not under Miri), an empty depth.
+    let more = match cfg!(miri) {
+        true => vec![(3, 5, 0)],
+        false => vec![(64, 40, 1100), (3, 5, 0)],
+    };
+    for (m, n, k) in shapes().into_iter().chain(more) {
+        let a = round(&test_data(m * k, 1, 2.0));
+        let b = round(&test_data(k * n, 2, 2.0));
+        let bias: Vec<f32> = test_data(n, 4, 3.0).iter().map(|&x| x as f32).collect();
+        let (am, bm) = (Mat::rows(&a, k), Mat::rows(&b, n));
+        let want = reference(am, bm, m, n, k);
+        for &kernel in &Bf16Kernel::available() {
+            let ld = n + 2;
+            let mut dst = vec![f32::NAN; m * ld];
+            gemm_bias(kernel, m, n, k, Dst::Set(&mut dst), ld, am, bm, Some(&bias));
+            for i in 0..m {
+                for j in 0..ld {
+                    let got = dst[i * ld + j] as f64;
+                    if j >= n {
+                        assert!(got.is_nan(), "{kernel}: padding written");
+                        continue;
+                    }
+                    let (s, abs) = want[i * n + j];
+                    let c = bias[j] as f64;
+                    let tol = (k as f64 + 2.0) * f32::EPSILON as f64 * (abs + c.abs());
+                    assert!(
+                        (got - (s + c)).abs() <= tol + 1e-30,
+                        "{kernel} m {m} n {n} k {k} ({i}, {j}): {got} against {}",
+                        s + c
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
 fn an_empty_depth_is_an_empty_sum() {
     for kernel in Bf16Kernel::available() {
         let mut dst = vec![7f32; 6];
