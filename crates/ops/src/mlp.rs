@@ -292,15 +292,20 @@ impl Pair {
             Some((pre, h)) => (CpuStorage::BF16(pre), Vec::new(), Some(h)),
             None => {
                 let mut pre = pre;
-                if prec == Precision::Bf16 {
-                    T::round_bf16(&mut pre);
-                }
+                let pre_half = match prec {
+                    Precision::Bf16 => T::round_halve(&mut pre),
+                    Precision::F32 => None,
+                };
                 let h = match &self.attention {
                     Some(attn) => attn.forward(&pre, &self.pre_shape(shape))?.0,
                     None => gelu_forward(&pre)?,
                 };
                 let half = halve_at(prec, &h);
-                (T::keep(pre, prec), h, half)
+                let pre = match pre_half {
+                    Some(p) => CpuStorage::BF16(p),
+                    None => T::keep(pre, prec),
+                };
+                (pre, h, half)
             }
         };
         let b2 = bias(self.bias[1], w2, out, ld2);

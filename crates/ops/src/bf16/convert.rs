@@ -148,3 +148,23 @@ simd! {
         }
     }
 }
+
+simd! {
+    /// `x` rounded to bf16 in place, and the bits of the rounded values into `dst`.
+    pub(crate) fn round_both<T>(x: &mut [f32], dst: &mut [MaybeUninit<bf16>]) {
+        for (v, d) in x.iter_mut().zip(dst.iter_mut()) {
+            let b = round_to_bf16(*v);
+            *v = f32::from_bits((b as u32) << 16);
+            d.write(bf16::from_bits(b));
+        }
+    }
+}
+
+/// `x` rounded to bf16 in place, and the same values as bf16, in one pass.
+pub(crate) fn round_and_halve(x: &mut [f32]) -> Vec<bf16> {
+    let mut out = Vec::with_capacity(x.len());
+    round_both::<f32>(x, &mut out.spare_capacity_mut()[..x.len()]);
+    // SAFETY: `round_both` wrote all `x.len()` elements.
+    unsafe { out.set_len(x.len()) };
+    out
+}

@@ -70,7 +70,7 @@ mod tests;
 use convert::round_in_place;
 #[cfg(test)]
 use convert::round_to_bf16;
-pub(crate) use convert::{round_into, to_bf16_vec, widen, widen_into, ToBf16};
+pub(crate) use convert::{round_and_halve, round_into, to_bf16_vec, widen, widen_into, ToBf16};
 pub(crate) use pack::{b_index, pack_a, pack_b, PackedA, PackedB, B_BLOCK};
 
 pub use linear::{linear_bf16, linear_bf16_on};
@@ -227,6 +227,9 @@ pub(crate) trait Bf16Product: Sized + Copy {
     /// (f32); `None` for f64, whose products read it as it is.
     fn halve(x: &[Self]) -> Option<Vec<bf16>>;
 
+    /// [`Bf16Product::round_bf16`] and [`Bf16Product::halve`] in one pass.
+    fn round_halve(x: &mut [Self]) -> Option<Vec<bf16>>;
+
     /// `x` as the storage an op keeps for its backward: bf16 at [`Precision::Bf16`]
     /// (f32 only), `x` itself otherwise.
     fn keep(x: Vec<Self>, prec: Precision) -> CpuStorage;
@@ -284,6 +287,10 @@ impl Bf16Product for f32 {
         Some(to_bf16_vec(x))
     }
 
+    fn round_halve(x: &mut [f32]) -> Option<Vec<bf16>> {
+        Some(round_and_halve(x))
+    }
+
     fn keep(x: Vec<f32>, prec: Precision) -> CpuStorage {
         match prec {
             Precision::Bf16 => CpuStorage::BF16(to_bf16_vec(&x)),
@@ -339,6 +346,10 @@ impl Bf16Product for f64 {
     fn round_bf16(_: &mut [f64]) {}
 
     fn halve(_: &[f64]) -> Option<Vec<bf16>> {
+        None
+    }
+
+    fn round_halve(_: &mut [f64]) -> Option<Vec<bf16>> {
         None
     }
 
