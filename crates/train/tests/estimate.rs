@@ -7,7 +7,7 @@
 use std::str::FromStr;
 
 use switchyard_mem::{Category, Counting};
-use switchyard_models::GptConfig;
+use switchyard_models::{GptConfig, Precision};
 use switchyard_schedule::ScheduleChoice;
 use switchyard_train::data::Corpus;
 use switchyard_train::estimate::memory::estimate_memory;
@@ -262,4 +262,36 @@ fn long_sequences_count_the_attention_scratch() {
         worst = worst.max(worst_error(&c));
     }
     assert!(worst <= 0.10, "worst error {:.1} %", 100.0 * worst);
+}
+
+/// bf16 (issue 18): what the fused pairs keep is bf16 (half the bytes), the attention's
+/// backward widens its part back to f32, the MLP's reads it as it is. Predicted within
+/// 10 % on one worker (3.6 % here; 0.1 % on the reference GPT), with fewer activation
+/// bytes than f32's. Split layouts of this tiny model are over-predicted by up to 12 %
+/// at bf16 (in the gradients category: the backward's transients, smaller than f32's),
+/// which is open.
+#[test]
+fn bf16_is_predicted_within_ten_percent_on_one_worker() {
+    let at = |precision| {
+        let mut c = cfg((1, 1, 1), "1f1b", gpt(128, 8));
+        c.model.precision = precision;
+        c.seq_len = 64;
+        c.model.block_size = 64;
+        c.microbatches = 8;
+        c.batch = 32;
+        c
+    };
+    let worst = worst_error(&at(Precision::Bf16));
+    assert!(worst <= 0.10, "worst error {:.1} %", 100.0 * worst);
+    let activations = |c: &TrainConfig<GptConfig>| {
+        estimate_memory(c).unwrap()[0].at_peak[Category::Activations as usize]
+    };
+    let (f32_bytes, bf16_bytes) = (
+        activations(&at(Precision::F32)),
+        activations(&at(Precision::Bf16)),
+    );
+    assert!(
+        bf16_bytes < f32_bytes,
+        "bf16 activations {bf16_bytes} B against f32's {f32_bytes} B"
+    );
 }
