@@ -175,6 +175,7 @@ pub(crate) fn footprint(
         largest_product: (4 * cfg.d_model / tp * cfg.d_model * (layers > 0) as usize)
             .max(cfg.d_model * cfg.vocab_size.div_ceil(tp) * plan.head as usize),
         fused_products: cfg.ops == OpsBackend::Fused,
+        bf16_products: cfg.ops == OpsBackend::Fused && kept < 1.0,
         // The fused attention's backward: the scores and their gradients of one head
         // (`T × T` each), the row sums and `kᵀ`, `vᵀ` (`switchyard_ops::attention`).
         backward_scratch_per_thread: match (cfg.ops, layers) {

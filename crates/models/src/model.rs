@@ -278,6 +278,10 @@ pub struct Activations {
     /// what decides the matrix multiply's per-thread packing buffers.
     pub largest_product: usize,
     pub fused_products: bool,
+    /// Whether the fused ops' products are bf16 ([`crate::Precision::Bf16`]): on a CPU
+    /// with a native bf16 kernel they pack into buffers of their own, and none of them
+    /// uses the f32 matrix multiply's per-thread packing buffer.
+    pub bf16_products: bool,
     /// Elements of scratch each compute thread holds while the backward runs, whatever
     /// the microbatch's size (the fused attention's `T × T` score blocks of one head).
     pub backward_scratch_per_thread: usize,

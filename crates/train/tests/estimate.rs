@@ -265,15 +265,14 @@ fn long_sequences_count_the_attention_scratch() {
 }
 
 /// bf16 (issue 18): what the fused pairs keep is bf16 (half the bytes), the attention's
-/// backward widens its part back to f32, the MLP's reads it as it is. Predicted within
-/// 10 % on one worker (3.6 % here; 0.1 % on the reference GPT), with fewer activation
-/// bytes than f32's. Split layouts of this tiny model are over-predicted by up to 12 %
-/// at bf16 (in the gradients category: the backward's transients, smaller than f32's),
-/// which is open.
+/// backward widens its part back to f32, the MLP's reads it as it is, and the products
+/// pack into buffers of their own (no f32 matrix multiply's scratch on a CPU with a
+/// native bf16 kernel). Predicted within 10 % (3 % here) on one worker and on data,
+/// pipeline and tensor-parallel layouts, with fewer activation bytes than f32's.
 #[test]
-fn bf16_is_predicted_within_ten_percent_on_one_worker() {
-    let at = |precision| {
-        let mut c = cfg((1, 1, 1), "1f1b", gpt(128, 8));
+fn bf16_is_predicted_within_ten_percent() {
+    let at_layout = |layout, precision| {
+        let mut c = cfg(layout, "1f1b", gpt(128, 8));
         c.model.precision = precision;
         c.seq_len = 64;
         c.model.block_size = 64;
@@ -281,7 +280,11 @@ fn bf16_is_predicted_within_ten_percent_on_one_worker() {
         c.batch = 32;
         c
     };
-    let worst = worst_error(&at(Precision::Bf16));
+    let at = |precision| at_layout((1, 1, 1), precision);
+    let mut worst: f64 = 0.0;
+    for layout in [(1, 1, 1), (1, 2, 2), (2, 2, 1), (2, 1, 2), (1, 4, 1)] {
+        worst = worst.max(worst_error(&at_layout(layout, Precision::Bf16)));
+    }
     assert!(worst <= 0.10, "worst error {:.1} %", 100.0 * worst);
     let activations = |c: &TrainConfig<GptConfig>| {
         estimate_memory(c).unwrap()[0].at_peak[Category::Activations as usize]

@@ -86,6 +86,8 @@ fn packs_through_scratch(tokens: usize, width: usize) -> bool {
 /// over the pool (`switchyard_ops::product_path`).
 fn scratch_threads(a: &Activations, tokens: usize, width: usize) -> (bool, bool) {
     match a.fused_products {
+        // bf16 products on a native kernel pack into buffers of their own.
+        true if a.bf16_products && switchyard_ops::Bf16Kernel::best().is_native() => (false, false),
         true => switchyard_ops::product_path(tokens * a.largest_product),
         false => {
             let packs = packs_through_scratch(tokens, width);
