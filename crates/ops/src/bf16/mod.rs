@@ -42,17 +42,12 @@
 //! The fused ops multiply through these products at `Precision::Bf16`
 //! (`crate::linear::product`); [`linear_bf16`] is a standalone op with a bf16 output.
 
-use std::borrow::Cow;
-use std::mem::MaybeUninit;
 use std::sync::OnceLock;
-
-use candle_core::CpuStorage;
 
 use half::bf16;
 use rayon::prelude::*;
 
 use crate::kernel::{Dst, Mat, SharedMut, Uninit};
-use crate::Precision;
 
 #[cfg(all(target_arch = "x86_64", target_os = "linux", not(miri)))]
 mod amx;
@@ -66,16 +61,17 @@ mod convert;
 mod dpbf16;
 mod linear;
 mod pack;
+mod product;
 #[cfg(test)]
 mod tests;
 
-use convert::round_in_place;
-#[cfg(test)]
-use convert::round_to_bf16;
 pub(crate) use convert::{round_and_halve, round_into, to_bf16_vec, widen, widen_into, ToBf16};
+#[cfg(test)]
+use convert::{round_in_place, round_to_bf16};
 pub(crate) use pack::{b_index, pack_a, pack_b, PackedA, PackedB, B_BLOCK};
 
 pub use linear::{linear_bf16, linear_bf16_on};
+pub(crate) use product::{Bf16Product, Held, HeldMat};
 
 /// Which kernel multiplies bf16 on this CPU.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -130,241 +126,6 @@ impl Bf16Kernel {
 impl std::fmt::Display for Bf16Kernel {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.name())
-    }
-}
-
-/// Rows of an operand as a fused op holds them: in its own element type, or as bf16
-/// values rounded once already (at [`Precision::Bf16`], an operand that two products
-/// read, or one kept as bf16 for the backward), which the products pack by copying.
-#[derive(Clone, Copy)]
-pub(crate) enum Held<'a, T> {
-    Full(&'a [T]),
-    Half(&'a [bf16]),
-}
-
-impl<'a, T> Held<'a, T> {
-    /// `half` when there is one, else `full`.
-    pub(crate) fn of(full: &'a [T], half: Option<&'a [bf16]>) -> Self {
-        match half {
-            Some(h) => Held::Half(h),
-            None => Held::Full(full),
-        }
-    }
-
-    pub(crate) fn len(&self) -> usize {
-        match self {
-            Held::Full(x) => x.len(),
-            Held::Half(x) => x.len(),
-        }
-    }
-
-    /// As a row-major matrix of row stride `ld`.
-    pub(crate) fn rows(self, ld: usize) -> HeldMat<'a, T> {
-        match self {
-            Held::Full(x) => HeldMat::Full(Mat::rows(x, ld)),
-            Held::Half(x) => HeldMat::Half(Mat::rows(x, ld)),
-        }
-    }
-}
-
-/// A matrix operand of [`crate::linear::product`]: see [`Held`].
-#[derive(Clone, Copy)]
-pub(crate) enum HeldMat<'a, T> {
-    Full(Mat<'a, T>),
-    Half(Mat<'a, bf16>),
-}
-
-impl<T> HeldMat<'_, T> {
-    /// The transpose (no copy).
-    pub(crate) fn t(self) -> Self {
-        match self {
-            HeldMat::Full(m) => HeldMat::Full(m.t()),
-            HeldMat::Half(m) => HeldMat::Half(m.t()),
-        }
-    }
-}
-
-impl<'a, T> From<Mat<'a, T>> for HeldMat<'a, T> {
-    fn from(m: Mat<'a, T>) -> Self {
-        HeldMat::Full(m)
-    }
-}
-
-/// What the fused ops do at [`Precision::Bf16`], for each of their element types: f32
-/// rounds the operands of its products to bf16 as it packs them (or takes them rounded
-/// already, [`Held::Half`]) and sums in f32 (on [`Bf16Kernel::best`]), and keeps its
-/// saved activations as bf16. f64 never runs at bf16 (the ops refuse bf16 precision for
-/// anything but f32): its products stay f64, what it keeps stays f64, and it never
-/// holds bf16 operands.
-pub(crate) trait Bf16Product: Sized + Copy {
-    #[allow(clippy::too_many_arguments)]
-    fn product_bf16(
-        m: usize,
-        n: usize,
-        k: usize,
-        dst: Dst<Self>,
-        ld: usize,
-        a: HeldMat<Self>,
-        b: HeldMat<Self>,
-    );
-
-    /// `dst = bias + a · b` (`dst` `m × n`, row stride `n`), bf16 products adding the
-    /// bias block by block ([`gemm_bias`]); whether it did (f32), or left `dst` alone
-    /// (f64, which never runs at bf16).
-    #[allow(clippy::too_many_arguments)]
-    fn product_bf16_bias(
-        m: usize,
-        n: usize,
-        k: usize,
-        dst: &mut [MaybeUninit<Self>],
-        a: HeldMat<Self>,
-        b: HeldMat<Self>,
-        bias: &[Self],
-    ) -> bool;
-
-    /// Rounds `x` to bf16 values in place (f32); leaves f64 alone.
-    fn round_bf16(x: &mut [Self]);
-
-    /// `x` rounded to bf16 once, for the products that read it at [`Precision::Bf16`]
-    /// (f32); `None` for f64, whose products read it as it is.
-    fn halve(x: &[Self]) -> Option<Vec<bf16>>;
-
-    /// [`Bf16Product::round_bf16`] and [`Bf16Product::halve`] in one pass.
-    fn round_halve(x: &mut [Self]) -> Option<Vec<bf16>>;
-
-    /// `x` as the storage an op keeps for its backward: bf16 at [`Precision::Bf16`]
-    /// (f32 only), `x` itself otherwise.
-    fn keep(x: Vec<Self>, prec: Precision) -> CpuStorage;
-
-    /// What [`Bf16Product::keep`] made, back in this type (bf16 widened, exactly).
-    fn kept(s: &CpuStorage) -> candle_core::Result<Cow<'_, [Self]>>;
-
-    /// What [`Bf16Product::keep`] made, as the products read it (bf16 not widened).
-    fn held(s: &CpuStorage) -> candle_core::Result<Held<'_, Self>>;
-}
-
-impl Bf16Product for f32 {
-    fn product_bf16(
-        m: usize,
-        n: usize,
-        k: usize,
-        dst: Dst<f32>,
-        ld: usize,
-        a: HeldMat<f32>,
-        b: HeldMat<f32>,
-    ) {
-        let kernel = Bf16Kernel::best();
-        match (a, b) {
-            (HeldMat::Full(a), HeldMat::Full(b)) => gemm(kernel, m, n, k, dst, ld, a, b),
-            (HeldMat::Full(a), HeldMat::Half(b)) => gemm(kernel, m, n, k, dst, ld, a, b),
-            (HeldMat::Half(a), HeldMat::Full(b)) => gemm(kernel, m, n, k, dst, ld, a, b),
-            (HeldMat::Half(a), HeldMat::Half(b)) => gemm(kernel, m, n, k, dst, ld, a, b),
-        }
-    }
-
-    fn product_bf16_bias(
-        m: usize,
-        n: usize,
-        k: usize,
-        dst: &mut [MaybeUninit<f32>],
-        a: HeldMat<f32>,
-        b: HeldMat<f32>,
-        bias: &[f32],
-    ) -> bool {
-        let (kernel, d, bias) = (Bf16Kernel::best(), Dst::Uninit(dst), Some(bias));
-        match (a, b) {
-            (HeldMat::Full(a), HeldMat::Full(b)) => gemm_bias(kernel, m, n, k, d, n, a, b, bias),
-            (HeldMat::Full(a), HeldMat::Half(b)) => gemm_bias(kernel, m, n, k, d, n, a, b, bias),
-            (HeldMat::Half(a), HeldMat::Full(b)) => gemm_bias(kernel, m, n, k, d, n, a, b, bias),
-            (HeldMat::Half(a), HeldMat::Half(b)) => gemm_bias(kernel, m, n, k, d, n, a, b, bias),
-        }
-        true
-    }
-
-    fn round_bf16(x: &mut [f32]) {
-        round_in_place::<f32>(x)
-    }
-
-    fn halve(x: &[f32]) -> Option<Vec<bf16>> {
-        Some(to_bf16_vec(x))
-    }
-
-    fn round_halve(x: &mut [f32]) -> Option<Vec<bf16>> {
-        Some(round_and_halve(x))
-    }
-
-    fn keep(x: Vec<f32>, prec: Precision) -> CpuStorage {
-        match prec {
-            Precision::Bf16 => CpuStorage::BF16(to_bf16_vec(&x)),
-            Precision::F32 => CpuStorage::F32(x),
-        }
-    }
-
-    fn kept(s: &CpuStorage) -> candle_core::Result<Cow<'_, [f32]>> {
-        Ok(match s {
-            CpuStorage::BF16(v) => Cow::Owned(widen(v)),
-            s => Cow::Borrowed(s.as_slice::<f32>()?),
-        })
-    }
-
-    fn held(s: &CpuStorage) -> candle_core::Result<Held<'_, f32>> {
-        Ok(match s {
-            CpuStorage::BF16(v) => Held::Half(v),
-            s => Held::Full(s.as_slice::<f32>()?),
-        })
-    }
-}
-
-impl Bf16Product for f64 {
-    fn product_bf16(
-        m: usize,
-        n: usize,
-        k: usize,
-        dst: Dst<f64>,
-        ld: usize,
-        a: HeldMat<f64>,
-        b: HeldMat<f64>,
-    ) {
-        match (a, b) {
-            (HeldMat::Full(a), HeldMat::Full(b)) => {
-                crate::kernel::matmul(m, n, k, dst, ld, a, b, true)
-            }
-            _ => unreachable!("f64 operands are never held as bf16 (`halve` gives none)"),
-        }
-    }
-
-    fn product_bf16_bias(
-        _: usize,
-        _: usize,
-        _: usize,
-        _: &mut [MaybeUninit<f64>],
-        _: HeldMat<f64>,
-        _: HeldMat<f64>,
-        _: &[f64],
-    ) -> bool {
-        false
-    }
-
-    fn round_bf16(_: &mut [f64]) {}
-
-    fn halve(_: &[f64]) -> Option<Vec<bf16>> {
-        None
-    }
-
-    fn round_halve(_: &mut [f64]) -> Option<Vec<bf16>> {
-        None
-    }
-
-    fn keep(x: Vec<f64>, _: Precision) -> CpuStorage {
-        CpuStorage::F64(x)
-    }
-
-    fn kept(s: &CpuStorage) -> candle_core::Result<Cow<'_, [f64]>> {
-        Ok(Cow::Borrowed(s.as_slice::<f64>()?))
-    }
-
-    fn held(s: &CpuStorage) -> candle_core::Result<Held<'_, f64>> {
-        Ok(Held::Full(s.as_slice::<f64>()?))
     }
 }
 
