@@ -19,10 +19,10 @@ use candle_core::{
 };
 use rayon::prelude::*;
 
-use crate::gelu::{gelu_backward, gelu_forward};
 use half::bf16;
 
-use crate::bf16::{Held, HeldMat};
+use crate::bf16::{keep, Held, HeldMat};
+use crate::gelu::{gelu_backward, gelu_forward};
 use crate::kernel::{self, matmul, simd, slice, view, Dst, Float, Mat, Uninit};
 
 use crate::{composed, OpsBackend, Precision};
@@ -157,6 +157,15 @@ pub(crate) fn product<'a, T: Float>(
 pub(crate) fn halve_at<T: Float>(prec: Precision, x: &[T]) -> Option<Vec<bf16>> {
     match prec {
         Precision::Bf16 => T::halve(x),
+        Precision::F32 => None,
+    }
+}
+
+/// At [`Precision::Bf16`] (f32), `x` rounded to bf16 in place and the same values as
+/// bf16 (what the op keeps), in one pass; `None`, `x` left alone, otherwise.
+pub(crate) fn round_at<T: Float>(prec: Precision, x: &mut [T]) -> Option<Vec<bf16>> {
+    match prec {
+        Precision::Bf16 => T::round_halve(x),
         Precision::F32 => None,
     }
 }
@@ -393,11 +402,10 @@ impl Linear {
         if !self.opts.gelu {
             return Ok((T::to_cpu_storage_owned(y), Shape::from(out_dims)));
         }
-        if prec == Precision::Bf16 {
-            T::round_bf16(&mut y);
-        }
+        // At bf16 GELU and the backward see the same (bf16) values.
+        let half = round_at(prec, &mut y);
         let out = gelu_forward(&y)?;
-        let _ = self.pre.set(T::keep(y, prec));
+        let _ = self.pre.set(keep(y, half));
         Ok((T::to_cpu_storage_owned(out), Shape::from(out_dims)))
     }
 

@@ -29,12 +29,12 @@ use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, D};
 
 use crate::attention::AttentionEpilogue;
-use crate::bf16::Held;
+use crate::bf16::{keep, Held};
 use crate::gelu::{gelu_backward, gelu_backward_bf16, gelu_forward, gelu_forward_bf16};
 use crate::kernel::{self, slice, view, Float};
 use crate::linear::{
     affine_forward, affine_input_grad, affine_weight_grad, check_precision, column_sums, halve_at,
-    input_grad, Reduce,
+    input_grad, round_at, Reduce,
 };
 use crate::{composed, OpsBackend, Precision};
 
@@ -292,20 +292,13 @@ impl Pair {
             Some((pre, h)) => (CpuStorage::BF16(pre), Vec::new(), Some(h)),
             None => {
                 let mut pre = pre;
-                let pre_half = match prec {
-                    Precision::Bf16 => T::round_halve(&mut pre),
-                    Precision::F32 => None,
-                };
+                let pre_half = round_at(prec, &mut pre);
                 let h = match &self.attention {
                     Some(attn) => attn.forward(&pre, &self.pre_shape(shape))?.0,
                     None => gelu_forward(&pre)?,
                 };
                 let half = halve_at(prec, &h);
-                let pre = match pre_half {
-                    Some(p) => CpuStorage::BF16(p),
-                    None => T::keep(pre, prec),
-                };
-                (pre, h, half)
+                (keep(pre, pre_half), h, half)
             }
         };
         let b2 = bias(self.bias[1], w2, out, ld2);
@@ -320,11 +313,7 @@ impl Pair {
             reduce,
             prec,
         )?;
-        let h = match (self.recomputes_h(), half) {
-            (true, _) => None,
-            (false, Some(half)) => Some(CpuStorage::BF16(half)),
-            (false, None) => Some(T::keep(h, prec)),
-        };
+        let h = (!self.recomputes_h()).then(|| keep(h, half));
         let _ = self.saved.set((pre, h));
         let mut dims = shape.dims().to_vec();
         *dims.last_mut().expect("rank ≥ 2") = out;

@@ -123,15 +123,6 @@ simd! {
 }
 
 simd! {
-    /// Every element of `x` rounded to the nearest bf16, in place.
-    pub(crate) fn round_in_place<T>(x: &mut [f32]) {
-        for v in x.iter_mut() {
-            *v = f32::from_bits((round_to_bf16(*v) as u32) << 16);
-        }
-    }
-}
-
-simd! {
     /// `dst[i] = src[i]` rounded to the nearest bf16, into a buffer being filled.
     pub(crate) fn round_into<T>(src: &[f32], dst: &mut [MaybeUninit<bf16>]) {
         for (d, &s) in dst.iter_mut().zip(src) {

@@ -65,13 +65,13 @@ mod product;
 #[cfg(test)]
 mod tests;
 
-pub(crate) use convert::{round_and_halve, round_into, to_bf16_vec, widen, widen_into, ToBf16};
 #[cfg(test)]
-use convert::{round_in_place, round_to_bf16};
+use convert::round_to_bf16;
+pub(crate) use convert::{round_and_halve, round_into, to_bf16_vec, widen, widen_into, ToBf16};
 pub(crate) use pack::{b_index, pack_a, pack_b, PackedA, PackedB, B_BLOCK};
 
 pub use linear::{linear_bf16, linear_bf16_on};
-pub(crate) use product::{Bf16Product, Held, HeldMat};
+pub(crate) use product::{keep, Bf16Product, Held, HeldMat};
 
 /// Which kernel multiplies bf16 on this CPU.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

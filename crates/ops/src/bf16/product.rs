@@ -6,12 +6,12 @@
 use std::borrow::Cow;
 use std::mem::MaybeUninit;
 
-use candle_core::CpuStorage;
+use candle_core::{CpuStorage, WithDType};
 use half::bf16;
 
-use super::convert::round_in_place;
-use super::{gemm, gemm_bias, round_and_halve, to_bf16_vec, widen, Bf16Kernel};
+use super::{gemm_bias, round_and_halve, to_bf16_vec, widen, Bf16Kernel};
 use crate::kernel::{Dst, Mat};
+#[cfg(doc)]
 use crate::Precision;
 
 /// Rows of an operand as a fused op holds them: in its own element type, or as bf16
@@ -103,24 +103,18 @@ pub(crate) trait Bf16Product: Sized + Copy {
         bias: &[Self],
     ) -> bool;
 
-    /// Rounds `x` to bf16 values in place (f32); leaves f64 alone.
-    fn round_bf16(x: &mut [Self]);
-
     /// `x` rounded to bf16 once, for the products that read it at [`Precision::Bf16`]
     /// (f32); `None` for f64, whose products read it as it is.
     fn halve(x: &[Self]) -> Option<Vec<bf16>>;
 
-    /// [`Bf16Product::round_bf16`] and [`Bf16Product::halve`] in one pass.
+    /// `x` rounded to bf16 in place and [`Bf16Product::halve`], in one pass (f32);
+    /// `None`, `x` left alone, for f64.
     fn round_halve(x: &mut [Self]) -> Option<Vec<bf16>>;
 
-    /// `x` as the storage an op keeps for its backward: bf16 at [`Precision::Bf16`]
-    /// (f32 only), `x` itself otherwise.
-    fn keep(x: Vec<Self>, prec: Precision) -> CpuStorage;
-
-    /// What [`Bf16Product::keep`] made, back in this type (bf16 widened, exactly).
+    /// What [`keep`] made, back in this type (bf16 widened, exactly).
     fn kept(s: &CpuStorage) -> candle_core::Result<Cow<'_, [Self]>>;
 
-    /// What [`Bf16Product::keep`] made, as the products read it (bf16 not widened).
+    /// What [`keep`] made, as the products read it (bf16 not widened).
     fn held(s: &CpuStorage) -> candle_core::Result<Held<'_, Self>>;
 }
 
@@ -134,13 +128,7 @@ impl Bf16Product for f32 {
         a: HeldMat<f32>,
         b: HeldMat<f32>,
     ) {
-        let kernel = Bf16Kernel::best();
-        match (a, b) {
-            (HeldMat::Full(a), HeldMat::Full(b)) => gemm(kernel, m, n, k, dst, ld, a, b),
-            (HeldMat::Full(a), HeldMat::Half(b)) => gemm(kernel, m, n, k, dst, ld, a, b),
-            (HeldMat::Half(a), HeldMat::Full(b)) => gemm(kernel, m, n, k, dst, ld, a, b),
-            (HeldMat::Half(a), HeldMat::Half(b)) => gemm(kernel, m, n, k, dst, ld, a, b),
-        }
+        gemm_held(m, n, k, dst, ld, a, b, None)
     }
 
     fn product_bf16_bias(
@@ -152,18 +140,8 @@ impl Bf16Product for f32 {
         b: HeldMat<f32>,
         bias: &[f32],
     ) -> bool {
-        let (kernel, d, bias) = (Bf16Kernel::best(), Dst::Uninit(dst), Some(bias));
-        match (a, b) {
-            (HeldMat::Full(a), HeldMat::Full(b)) => gemm_bias(kernel, m, n, k, d, n, a, b, bias),
-            (HeldMat::Full(a), HeldMat::Half(b)) => gemm_bias(kernel, m, n, k, d, n, a, b, bias),
-            (HeldMat::Half(a), HeldMat::Full(b)) => gemm_bias(kernel, m, n, k, d, n, a, b, bias),
-            (HeldMat::Half(a), HeldMat::Half(b)) => gemm_bias(kernel, m, n, k, d, n, a, b, bias),
-        }
+        gemm_held(m, n, k, Dst::Uninit(dst), n, a, b, Some(bias));
         true
-    }
-
-    fn round_bf16(x: &mut [f32]) {
-        round_in_place::<f32>(x)
     }
 
     fn halve(x: &[f32]) -> Option<Vec<bf16>> {
@@ -172,13 +150,6 @@ impl Bf16Product for f32 {
 
     fn round_halve(x: &mut [f32]) -> Option<Vec<bf16>> {
         Some(round_and_halve(x))
-    }
-
-    fn keep(x: Vec<f32>, prec: Precision) -> CpuStorage {
-        match prec {
-            Precision::Bf16 => CpuStorage::BF16(to_bf16_vec(&x)),
-            Precision::F32 => CpuStorage::F32(x),
-        }
     }
 
     fn kept(s: &CpuStorage) -> candle_core::Result<Cow<'_, [f32]>> {
@@ -226,8 +197,6 @@ impl Bf16Product for f64 {
         false
     }
 
-    fn round_bf16(_: &mut [f64]) {}
-
     fn halve(_: &[f64]) -> Option<Vec<bf16>> {
         None
     }
@@ -236,15 +205,41 @@ impl Bf16Product for f64 {
         None
     }
 
-    fn keep(x: Vec<f64>, _: Precision) -> CpuStorage {
-        CpuStorage::F64(x)
-    }
-
     fn kept(s: &CpuStorage) -> candle_core::Result<Cow<'_, [f64]>> {
         Ok(Cow::Borrowed(s.as_slice::<f64>()?))
     }
 
     fn held(s: &CpuStorage) -> candle_core::Result<Held<'_, f64>> {
         Ok(Held::Full(s.as_slice::<f64>()?))
+    }
+}
+
+/// [`gemm_bias`] on [`Bf16Kernel::best`] for operands as the ops hold them.
+#[allow(clippy::too_many_arguments)]
+fn gemm_held(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: Dst<f32>,
+    ld: usize,
+    a: HeldMat<f32>,
+    b: HeldMat<f32>,
+    bias: Option<&[f32]>,
+) {
+    let kernel = Bf16Kernel::best();
+    match (a, b) {
+        (HeldMat::Full(a), HeldMat::Full(b)) => gemm_bias(kernel, m, n, k, dst, ld, a, b, bias),
+        (HeldMat::Full(a), HeldMat::Half(b)) => gemm_bias(kernel, m, n, k, dst, ld, a, b, bias),
+        (HeldMat::Half(a), HeldMat::Full(b)) => gemm_bias(kernel, m, n, k, dst, ld, a, b, bias),
+        (HeldMat::Half(a), HeldMat::Half(b)) => gemm_bias(kernel, m, n, k, dst, ld, a, b, bias),
+    }
+}
+
+/// What an op keeps of `x` for its backward: `half`, its values rounded to bf16, when
+/// there is one ([`Precision::Bf16`]), else `x` itself.
+pub(crate) fn keep<T: WithDType>(x: Vec<T>, half: Option<Vec<bf16>>) -> CpuStorage {
+    match half {
+        Some(h) => CpuStorage::BF16(h),
+        None => T::to_cpu_storage_owned(x),
     }
 }
