@@ -14,9 +14,8 @@ use switchyard_comm::Communicator;
 use switchyard_ops::attention_block_with;
 
 use crate::error::ShardError;
-use crate::linear::{
-    check_group, column_row_pair, pair_options, ColumnParallelLinear, RowParallelLinear, StepCache,
-};
+use crate::linear::{check_group, ColumnParallelLinear, RowParallelLinear};
+use crate::pair::{column_row_pair, pair_options, StepCache};
 use crate::param::{Builder, Init};
 
 /// Initialisation of a transformer sub-layer's parameters.

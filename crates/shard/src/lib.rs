@@ -82,6 +82,7 @@ mod error;
 mod linear;
 mod loss;
 mod mlp;
+mod pair;
 mod param;
 mod rng;
 mod spec;

@@ -13,9 +13,8 @@ use switchyard_ops::{mlp_with, PairOptions};
 
 use crate::attention::LayerInit;
 use crate::error::ShardError;
-use crate::linear::{
-    check_group, column_row_pair, pair_options, ColumnParallelLinear, RowParallelLinear, StepCache,
-};
+use crate::linear::{check_group, ColumnParallelLinear, RowParallelLinear};
+use crate::pair::{column_row_pair, pair_options, StepCache};
 use crate::param::Builder;
 
 /// `c_fc` (column, `d → hidden`, bias), GELU (tanh approximation), `c_proj` (row,
