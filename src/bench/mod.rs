@@ -198,7 +198,12 @@ pub fn cases(p: &Preset) -> Vec<Case> {
         precision: Precision::F32,
     };
     let m = p.microbatches;
-    vec![
+    // Interleaved 1F1B needs two model chunks per pipeline rank: 4 layers at pp 2.
+    let interleaved = (p.model.n_layer >= 4).then(|| {
+        let v2 = ScheduleKind::Interleaved { virtual_stages: 2 };
+        case("pp 2 interleaved", 1, 2, 1, 1, v2, m)
+    });
+    let mut rows = vec![
         case("1 worker", 1, 1, 1, 1, ScheduleKind::OneFOneB, 1),
         case("1 worker, 2 threads", 1, 1, 1, 2, ScheduleKind::OneFOneB, 1),
         // The composed twins of the fused ops (what a GPU runs today), on the CPU: their
@@ -217,6 +222,9 @@ pub fn cases(p: &Preset) -> Vec<Case> {
         },
         case("pp 2 gpipe", 1, 2, 1, 1, ScheduleKind::GPipe, m),
         case("pp 2 1f1b", 1, 2, 1, 1, ScheduleKind::OneFOneB, m),
+        // The schedules that promise smaller bubbles, against the row above (issue 17):
+        // their measured bubbles side by side with 1F1B's.
+        case("pp 2 zb-h1", 1, 2, 1, 1, ScheduleKind::ZbH1, m),
         // Activation recomputation, against the row above (issue 16: `full` at most
         // 1.4 ×, `selective` at most 1.1 × its time).
         Case {
@@ -255,7 +263,15 @@ pub fn cases(p: &Preset) -> Vec<Case> {
             precision: Precision::Bf16,
             ..case("pp 2 1f1b, bf16", 1, 2, 1, 1, ScheduleKind::OneFOneB, m)
         },
-    ]
+    ];
+    if let Some(row) = interleaved {
+        let at = rows
+            .iter()
+            .position(|r| r.name == "pp 2 zb-h1")
+            .map_or(rows.len(), |i| i + 1);
+        rows.insert(at, row);
+    }
+    rows
 }
 
 /// The training configuration of one case.
@@ -271,7 +287,10 @@ pub fn config(p: &Preset, c: &Case) -> TrainConfig<GptConfig> {
         tp: c.tp,
         schedule: c.schedule.clone(),
         microbatches: c.microbatches,
-        virtual_stages: 1,
+        virtual_stages: match &c.schedule {
+            ScheduleChoice::Named(ScheduleKind::Interleaved { virtual_stages }) => *virtual_stages,
+            _ => 1,
+        },
         split: SplitSpec::Even,
         steps: p.warmup + p.steps,
         batch: p.batch,

@@ -13,7 +13,8 @@
 use candle_core::{DType, Module, Result, Tensor, Var};
 use switchyard_shard::{
     vocab_parallel_cross_entropy_with, ColumnParallelLinear, Init, LayerInit, OpsBackend,
-    ParallelMlp, ParallelSelfAttention, ParamStore, ShardSpec, TpGroup, VocabParallelEmbedding,
+    ParallelMlp, ParallelSelfAttention, ParamStore, Precision, ShardSpec, TpGroup,
+    VocabParallelEmbedding,
 };
 
 use std::collections::HashMap;
@@ -54,12 +55,39 @@ struct Block {
     attn: ParallelSelfAttention,
     ln_2: LayerNorm,
     mlp: ParallelMlp,
+    /// Whether the fused sub-layers keep what their backward reads as bf16
+    /// (`Precision::Bf16` on the fused backend), so that the block frees the tensors
+    /// only they and the residual sums read (see [`Block::forward`]).
+    frees: bool,
 }
 
 impl Block {
+    /// `x + attn(ln_1(x))`, then `+ mlp(ln_2(·))`.
+    ///
+    /// At bf16 on the fused backend, the LayerNorms' outputs (which the attention and
+    /// the MLP keep rounded to bf16 themselves) and the sub-layers' outputs (whose
+    /// residual sums need no values backward) are freed in place once read: candle's
+    /// graph keeps the tensors, not their f32 values, and what the block keeps for its
+    /// backward is bf16 but for the two residual sums and the LayerNorms' statistics.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let x = (x + self.attn.forward(&self.ln_1.forward(x)?)?)?;
-        &x + self.mlp.forward(&self.ln_2.forward(&x)?)?
+        let h = self.ln_1.forward(x)?;
+        let a = self.attn.forward(&h)?;
+        self.free(&h)?;
+        let x = (x + &a)?;
+        self.free(&a)?;
+        let h = self.ln_2.forward(&x)?;
+        let m = self.mlp.forward(&h)?;
+        self.free(&h)?;
+        let y = (&x + &m)?;
+        self.free(&m)?;
+        Ok(y)
+    }
+
+    fn free(&self, t: &Tensor) -> Result<()> {
+        match self.frees {
+            true => switchyard_shard::storage::free_in_place(t),
+            false => Ok(()),
+        }
     }
 }
 
@@ -164,6 +192,7 @@ impl GptStage {
                     attn: ParallelSelfAttention::new(&vb, tp.clone(), d, cfg.n_head, init)?,
                     ln_2: LayerNorm::new(&vb.pp("ln_2"), d)?,
                     mlp: ParallelMlp::new(&vb, tp.clone(), d, 4 * d, init)?,
+                    frees: cfg.precision == Precision::Bf16 && cfg.ops == OpsBackend::Fused,
                 };
                 block_vars.push(store.vars()[from..].to_vec());
                 Ok(block)
@@ -316,6 +345,23 @@ impl switchyard_pipeline::Stage for GptStage {
             b.mlp.release_step()?;
         }
         Ok(())
+    }
+    /// A split backward defers the blocks' weight products (the attention's and the
+    /// MLP's four each) to [`GptStage`]'s `backward_weights`; the embeddings' and the
+    /// head's weight gradients come with the input gradients.
+    fn split_backward(&self, split: bool) {
+        for b in &self.blocks {
+            b.attn.set_split_backward(split);
+            b.mlp.set_split_backward(split);
+        }
+    }
+    fn backward_weights(&self, _microbatch: u32) -> Result<Vec<(Var, Tensor)>> {
+        let mut grads = Vec::new();
+        for b in &self.blocks {
+            grads.extend(b.attn.backward_weights()?);
+            grads.extend(b.mlp.backward_weights()?);
+        }
+        Ok(grads)
     }
 }
 

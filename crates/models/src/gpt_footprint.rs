@@ -6,7 +6,9 @@
 //! * `12·d/tp`: what the column-parallel halves produce (q, k, v, the attention's
 //!   output, the MLP's hidden activation before and after the GELU);
 //! * `6·d`: what every rank holds whole (the two LayerNorms' outputs, the two
-//!   row-parallel outputs, the two residual sums);
+//!   row-parallel outputs, the two residual sums); at bf16 `2·d + 2·d/2`: the block
+//!   frees the four tensors but the residual sums in place once read, the pairs keeping
+//!   their inputs (the LayerNorms' outputs) as bf16 themselves;
 //! * `h/tp`: the attention's log-sum-exp per head (no `T × T` scores: the fused
 //!   attention recomputes them);
 //!
@@ -105,10 +107,16 @@ pub(crate) fn footprint(
     let (d, l, h) = (d as f64, layers as f64, (cfg.n_head / tp) as f64);
     let a = tp as f64;
     // What the fused pairs keep for their backward (q | k | v, the attention's output,
-    // the MLP's pre-activation and GELU output) is bf16 at bf16 precision: half an f32
-    // element each. The tensors between the ops stay f32.
+    // the MLP's pre-activation and GELU output, their inputs) is bf16 at bf16
+    // precision: half an f32 element each. The residual sums stay f32.
     let kept = cfg.precision.saved_bytes() as f64 / 4.0;
     let (block, per_microbatch, block_tensors, ln_f) = match cfg.ops {
+        // At bf16 the block frees the LayerNorms' outputs (the pairs keep them as bf16)
+        // and the pairs' outputs (the residual adds need no values): the two residual
+        // sums stay f32.
+        OpsBackend::Fused if kept < 1.0 => {
+            (12.0 * d / a * kept + 2.0 * d + 2.0 * d * kept + h, 0, 32, d)
+        }
         OpsBackend::Fused => (12.0 * d / a * kept + 6.0 * d + h, 0, 32, d),
         // Candle keeps every intermediate of the composed ops (see the doc above).
         OpsBackend::Composed => {
@@ -186,6 +194,13 @@ pub(crate) fn footprint(
             _ => 0,
         },
         input_per_token: if plan.embed { 0.0 } else { d },
+        // A split backward's copies for `W`, per block: each pair's output gradient and
+        // input (`d` each) and its middle's input gradient and output (`3·d/tp` and
+        // `d/tp` for the attention, `4·d/tp` each for the MLP); bf16 at bf16.
+        deferred_per_token: match cfg.ops {
+            OpsBackend::Fused => l * (4.0 * d + 12.0 * d / a) * kept,
+            OpsBackend::Composed => 0.0,
+        },
     });
     Ok(f)
 }

@@ -285,6 +285,10 @@ pub struct Activations {
     /// Elements of scratch each compute thread holds while the backward runs, whatever
     /// the microbatch's size (the fused attention's `T × T` score blocks of one head).
     pub backward_scratch_per_thread: usize,
+    /// Elements per token a split backward's `I` copies for its `W` (the fused ops'
+    /// deferred weight products: their output gradients, inputs and middle
+    /// activations), in f32 elements; 0 when `I` runs the whole backward.
+    pub deferred_per_token: f64,
 }
 
 /// A pipeline stage of a [`Model`] that, when it is the last stage, scores its output.

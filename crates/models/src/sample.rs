@@ -64,7 +64,10 @@ pub fn sample_with<E: From<candle_core::Error>>(
         let window = &ctx[ctx.len().saturating_sub(block)..];
         let x = Tensor::from_vec(window.to_vec(), (1, window.len()), &Device::Cpu)?;
         let logits = Module::forward(model, &x)?;
-        let last = logits.get(window.len() - 1)?;
+        // f32 whatever the activations' dtype (bf16 logits at bf16 precision).
+        let last = logits
+            .get(window.len() - 1)?
+            .to_dtype(candle_core::DType::F32)?;
         let next = if temperature <= 0.0 {
             last.argmax(D::Minus1)?.to_scalar::<u32>()?
         } else {

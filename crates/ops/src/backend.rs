@@ -45,6 +45,14 @@ impl OpsBackend {
             && matches!(x.dtype(), DType::F32 | DType::F64)
     }
 
+    /// Whether an op that reads bf16 activations (at [`crate::Precision::Bf16`]: the
+    /// LayerNorm, the linear ops and pairs, the cross-entropy) runs the fused kernel on
+    /// `x`: as [`OpsBackend::fuses`], or a bf16 tensor on the CPU.
+    pub fn fuses_bf16(self, x: &Tensor) -> bool {
+        self.fuses(x)
+            || (self == OpsBackend::Fused && x.device().is_cpu() && x.dtype() == DType::BF16)
+    }
+
     /// [`crate::layer_norm`] on this backend.
     pub fn layer_norm(
         self,

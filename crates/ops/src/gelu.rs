@@ -237,7 +237,7 @@ fn gelu_grad_block(x: &[f32], g: &[f32], d: &mut [MaybeUninit<f32>]) {
 ///
 /// # Safety
 /// `y[..n]` is initialised.
-unsafe fn written(y: &[MaybeUninit<f32>], n: usize) -> &[f32] {
+pub(crate) unsafe fn written(y: &[MaybeUninit<f32>], n: usize) -> &[f32] {
     // SAFETY: `MaybeUninit<f32>` has f32's layout, and the caller vouches for the values.
     unsafe { std::slice::from_raw_parts(y.as_ptr().cast::<f32>(), n) }
 }

@@ -281,7 +281,7 @@ pub(crate) struct Uninit<T> {
     n: usize,
 }
 
-impl<T: Float> Uninit<T> {
+impl<T: WithDType> Uninit<T> {
     /// Room for `n` elements; an error, not an abort, when it cannot be allocated.
     pub(crate) fn new(n: usize) -> Result<Self> {
         let mut v = Vec::new();
@@ -381,6 +381,15 @@ impl View<'_> {
         match &*self.guard {
             Storage::Cpu(c) => Ok(&T::cpu_storage_as_slice(c)?[self.lo..self.hi]),
             _ => bail!("switchyard-ops: only CPU tensors are supported"),
+        }
+    }
+
+    /// The elements as a fused op's products read them: bf16 (an activation at
+    /// `Precision::Bf16`, [`crate::bf16`]'s `act`) as it is, else as `T`.
+    pub(crate) fn held<T: Float>(&self) -> Result<crate::bf16::Held<'_, T>> {
+        match &*self.guard {
+            Storage::Cpu(CpuStorage::BF16(v)) => Ok(crate::bf16::Held::Half(&v[self.lo..self.hi])),
+            _ => Ok(crate::bf16::Held::Full(self.get::<T>()?)),
         }
     }
 }

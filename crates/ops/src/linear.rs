@@ -21,7 +21,7 @@ use rayon::prelude::*;
 
 use half::bf16;
 
-use crate::bf16::{keep, Held, HeldMat};
+use crate::bf16::{grad_as, held_slice, keep, storage_as, widened, Held, HeldMat};
 use crate::gelu::{gelu_backward, gelu_forward};
 use crate::kernel::{self, matmul, simd, slice, view, Dst, Float, Mat, Uninit};
 
@@ -74,7 +74,17 @@ pub fn linear_with(
 ) -> Result<Tensor> {
     check_shapes("linear", x, w, b)?;
     check_precision("linear", opts.precision, x)?;
-    if !opts.backend.fuses(x) {
+    let half = x.dtype() == DType::BF16 && opts.precision == Precision::Bf16;
+    let fused = match half {
+        true => opts.backend.fuses_bf16(x) && w.dtype() == DType::F32,
+        false => opts.backend.fuses(x),
+    };
+    if !fused {
+        if half && w.dtype() == DType::F32 {
+            // bf16 activations on the composed twin: it multiplies f32 tensors.
+            return composed::linear_with(&x.to_dtype(DType::F32)?, w, b, opts)?
+                .to_dtype(DType::BF16);
+        }
         return composed::linear_with(x, w, b, opts);
     }
     let op = Linear {
@@ -117,11 +127,12 @@ pub(crate) fn check_shapes(
     Ok((out_f, in_f))
 }
 
-/// Refuses [`Precision::Bf16`] for anything but f32 tensors; errors name `op`.
+/// Refuses [`Precision::Bf16`] for anything but f32 tensors or bf16 activations
+/// ([`crate::bf16`]'s `act`); errors name `op`.
 pub(crate) fn check_precision(op: &str, precision: Precision, x: &Tensor) -> Result<()> {
-    if precision == Precision::Bf16 && x.dtype() != DType::F32 {
+    if precision == Precision::Bf16 && !matches!(x.dtype(), DType::F32 | DType::BF16) {
         bail!(
-            "{op}: bf16 precision multiplies f32 tensors (f32 master weights), got {:?}",
+            "{op}: bf16 precision multiplies f32 tensors or bf16 activations (f32 master weights), got {:?}",
             x.dtype()
         );
     }
@@ -158,6 +169,16 @@ pub(crate) fn halve_at<T: Float>(prec: Precision, x: &[T]) -> Option<Vec<bf16>> 
     match prec {
         Precision::Bf16 => T::halve(x),
         Precision::F32 => None,
+    }
+}
+
+/// [`halve_at`] of an operand held in its own type; `None` for one held as bf16 already
+/// (which the products read as it is): with [`Held::or_half`], the operand as the
+/// products read it.
+pub(crate) fn halve_held<T: Float>(prec: Precision, x: Held<T>) -> Option<Vec<bf16>> {
+    match x {
+        Held::Full(x) => halve_at(prec, x),
+        Held::Half(_) => None,
     }
 }
 
@@ -330,10 +351,12 @@ pub(crate) fn input_grad<T: Float>(
     }
     let dx = affine_input_grad(g, w, ldw, in_f, out, prec)?;
     let dx = kernel::tensor(dx, x.shape().clone())?;
-    Ok(Some(match reduce {
+    let dx = match reduce {
         Some(reduce) => reduce(&dx)?,
         None => dx,
-    }))
+    };
+    // Summed in f32, then in the input's dtype (rounded once for a bf16 activation).
+    Ok(Some(grad_as(dx, x.dtype())?))
 }
 
 /// The weight gradient of [`affine_forward`] as `[out, ld]` rows: `Gᵀ · x` in the first
@@ -387,7 +410,7 @@ impl Linear {
 
     fn forward<T: Float>(
         &self,
-        x: &[T],
+        x: Held<T>,
         w: &[T],
         b: Option<&[T]>,
         shape: &Shape,
@@ -396,17 +419,19 @@ impl Linear {
         let (out_f, in_f) = w_layout.shape().dims2()?;
         let reduce = self.opts.reduce_output.as_ref();
         let prec = self.opts.precision;
-        let mut y = affine_forward(Held::Full(x), in_f, w, in_f, b, out_f, reduce, prec)?;
+        // A bf16 activation in, a bf16 activation out (rounded once, after any sum).
+        let half_out = matches!(x, Held::Half(_));
+        let mut y = affine_forward(x, in_f, w, in_f, b, out_f, reduce, prec)?;
         let mut out_dims = shape.dims().to_vec();
         *out_dims.last_mut().expect("rank ≥ 2") = out_f;
         if !self.opts.gelu {
-            return Ok((T::to_cpu_storage_owned(y), Shape::from(out_dims)));
+            return Ok((storage_as(y, half_out)?, Shape::from(out_dims)));
         }
         // At bf16 GELU and the backward see the same (bf16) values.
         let half = round_at(prec, &mut y);
         let out = gelu_forward(&y)?;
         let _ = self.pre.set(keep(y, half));
-        Ok((T::to_cpu_storage_owned(out), Shape::from(out_dims)))
+        Ok((storage_as(out, half_out)?, Shape::from(out_dims)))
     }
 
     /// `(dx, dw, db)`; `dx` only when `need_dx`.
@@ -422,14 +447,14 @@ impl Linear {
         let (out_f, in_f) = w.dims2()?;
         let grad = grad.contiguous()?;
         let (xv, wv, gv) = (view(x, name)?, view(w, name)?, view(&grad, name)?);
-        let (xs, ws, g) = (xv.get::<T>()?, wv.get::<T>()?, gv.get::<T>()?);
+        let (xs, ws, g_in) = (xv.held::<T>()?, wv.get::<T>()?, gv.held::<T>()?);
         let g: Cow<[T]> = if self.opts.gelu {
             let Some(pre) = self.pre.get() else {
                 bail!("{name}: backward before forward")
             };
-            Cow::Owned(gelu_backward(&T::kept(pre)?, g)?)
+            Cow::Owned(gelu_backward(&T::kept(pre)?, &widened(g_in)?)?)
         } else {
-            Cow::Borrowed(g)
+            widened(g_in)?
         };
         let reduce = self.opts.reduce_input_grad.as_ref();
         let prec = self.opts.precision;
@@ -437,11 +462,16 @@ impl Linear {
             true => Some(kernel::tensor(column_sums(&g, out_f), out_f)?),
             false => None,
         };
-        // Both products read `G`: at bf16 it is rounded once, not packed from f32 twice.
-        let half = halve_at(prec, &g);
-        let gh = Held::of(&g, half.as_deref());
+        // Both products read `G`: at bf16 it is rounded once, not packed from f32 twice
+        // (a bf16 `G`, the gradient of a bf16 output, is read as it is).
+        let g_in = match self.opts.gelu {
+            true => Held::Full(&g[..]),
+            false => g_in,
+        };
+        let half = halve_held(prec, g_in);
+        let gh = g_in.or_half(half.as_deref());
         let dx = input_grad(x, gh, ws, in_f, in_f, out_f, reduce, prec)?;
-        let dw = affine_weight_grad(gh, Held::Full(xs), in_f, out_f, in_f, None, prec)?;
+        let dw = affine_weight_grad(gh, xs, in_f, out_f, in_f, None, prec)?;
         let dw = kernel::tensor(dw, (out_f, in_f))?;
         Ok((dx, dw, db))
     }
@@ -463,15 +493,15 @@ impl CustomOp3 for Linear {
     ) -> Result<(CpuStorage, Shape)> {
         let n = Linear::name(self);
         match s1.dtype() {
-            DType::F32 => self.forward::<f32>(
-                slice(s1, l1, n)?,
+            DType::F32 | DType::BF16 => self.forward::<f32>(
+                held_slice(s1, l1, n)?,
                 slice(s2, l2, n)?,
                 Some(slice(s3, l3, n)?),
                 l1.shape(),
                 l2,
             ),
             DType::F64 => self.forward::<f64>(
-                slice(s1, l1, n)?,
+                held_slice(s1, l1, n)?,
                 slice(s2, l2, n)?,
                 Some(slice(s3, l3, n)?),
                 l1.shape(),
@@ -490,7 +520,7 @@ impl CustomOp3 for Linear {
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let (dx, dw, db) = match x.dtype() {
-            DType::F32 => self.backward::<f32>(x, w, true, grad)?,
+            DType::F32 | DType::BF16 => self.backward::<f32>(x, w, true, grad)?,
             _ => self.backward::<f64>(x, w, true, grad)?,
         };
         Ok((dx, Some(dw), db))
@@ -511,11 +541,13 @@ impl CustomOp2 for Linear {
     ) -> Result<(CpuStorage, Shape)> {
         let n = Linear::name(self);
         match s1.dtype() {
-            DType::F32 => {
-                self.forward::<f32>(slice(s1, l1, n)?, slice(s2, l2, n)?, None, l1.shape(), l2)
+            DType::F32 | DType::BF16 => {
+                let x = held_slice(s1, l1, n)?;
+                self.forward::<f32>(x, slice(s2, l2, n)?, None, l1.shape(), l2)
             }
             DType::F64 => {
-                self.forward::<f64>(slice(s1, l1, n)?, slice(s2, l2, n)?, None, l1.shape(), l2)
+                let x = held_slice(s1, l1, n)?;
+                self.forward::<f64>(x, slice(s2, l2, n)?, None, l1.shape(), l2)
             }
             d => bail!("{n}: unsupported dtype {d:?}"),
         }
@@ -529,7 +561,7 @@ impl CustomOp2 for Linear {
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let (dx, dw, _) = match x.dtype() {
-            DType::F32 => self.backward::<f32>(x, w, false, grad)?,
+            DType::F32 | DType::BF16 => self.backward::<f32>(x, w, false, grad)?,
             _ => self.backward::<f64>(x, w, false, grad)?,
         };
         Ok((dx, Some(dw)))

@@ -9,6 +9,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
+use crate::bf16::{half_slice, to_bf16_vec, widen, Held};
 use crate::kernel::{self, max, simd, slice, view, Float, Uninit};
 use crate::{composed, OpsBackend, Reduce};
 
@@ -44,7 +45,7 @@ pub(crate) fn cross_entropy_on(
     if let Some((row, t)) = tg.iter().enumerate().find(|&(_, &t)| t as usize >= v) {
         bail!("cross_entropy: target {t} of row {row} is out of range for {v} classes");
     }
-    if !backend.fuses(logits) {
+    if !backend.fuses_bf16(logits) {
         return composed::cross_entropy(logits, targets);
     }
     apply(logits, tg, 0, None, None)
@@ -110,7 +111,7 @@ pub(crate) fn cross_entropy_parallel_on(
             "cross_entropy_parallel: target {t} of row {row} is out of range for {vocab_size} classes"
         );
     }
-    if !backend.fuses(local_logits) {
+    if !backend.fuses_bf16(local_logits) {
         return composed::cross_entropy_parallel(
             local_logits,
             &tg,
@@ -273,13 +274,16 @@ impl CrossEntropy {
         Ok(T::from_f64(total / n as f64))
     }
 
-    fn backward<T: Float>(&self, z: &Tensor, grad: &Tensor) -> Result<Tensor> {
+    /// `dz` of the `[n, width]` logits `zs`.
+    fn backward<T: Float>(
+        &self,
+        zs: &[T],
+        (n, width): (usize, usize),
+        grad: &Tensor,
+    ) -> Result<Vec<T>> {
         let name = "switchyard-cross-entropy";
-        let (n, width) = z.dims2()?;
         let g = grad.to_dtype(DType::F64)?.to_scalar::<f64>()?;
         let scale = T::from_f64(g / n as f64);
-        let zv = view(z, name)?;
-        let zs = zv.get::<T>()?;
         let Some(lse) = self.lse.get() else {
             bail!("{name}: backward before forward")
         };
@@ -302,7 +306,7 @@ impl CrossEntropy {
                 dz[r * width + j] -= scale;
             }
         }
-        kernel::tensor(dz, (n, width))
+        Ok(dz)
     }
 }
 
@@ -317,15 +321,29 @@ impl CustomOp1 for CrossEntropy {
         let out = match s.dtype() {
             DType::F32 => CpuStorage::F32(vec![self.forward::<f32>(slice(s, l, n)?, width)?]),
             DType::F64 => CpuStorage::F64(vec![self.forward::<f64>(slice(s, l, n)?, width)?]),
+            // bf16 logits (`Precision::Bf16`): widened, the loss and softmax in f32.
+            DType::BF16 => match half_slice(s, l, n)? {
+                Some(z) => CpuStorage::F32(vec![self.forward::<f32>(&widen(z), width)?]),
+                None => unreachable!("a bf16 storage"),
+            },
             d => bail!("{n}: unsupported dtype {d:?}"),
         };
         Ok((out, Shape::from(())))
     }
 
     fn bwd(&self, z: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
-        let d = match z.dtype() {
-            DType::F32 => self.backward::<f32>(z, grad)?,
-            _ => self.backward::<f64>(z, grad)?,
+        let dims = z.dims2()?;
+        let zv = view(z, self.name())?;
+        let d = match (z.dtype(), zv.held::<f32>()) {
+            // bf16 logits: the gradient in f32 from the widened logits, rounded once.
+            (DType::BF16, Ok(Held::Half(h))) => {
+                let dz = self.backward::<f32>(&widen(h), dims, grad)?;
+                Tensor::from_vec(to_bf16_vec(&dz), dims, z.device())?
+            }
+            (DType::F32, Ok(Held::Full(zs))) => {
+                kernel::tensor(self.backward::<f32>(zs, dims, grad)?, dims)?
+            }
+            _ => kernel::tensor(self.backward::<f64>(zv.get::<f64>()?, dims, grad)?, dims)?,
         };
         Ok(Some(d))
     }

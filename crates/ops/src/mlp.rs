@@ -29,13 +29,16 @@ use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, D};
 
 use crate::attention::AttentionEpilogue;
-use crate::bf16::{keep, Held};
+use half::bf16;
+
+use crate::bf16::{held_slice, keep, storage_as, widened, Held};
 use crate::gelu::{gelu_backward, gelu_backward_bf16, gelu_forward, gelu_forward_bf16};
 use crate::kernel::{self, slice, view, Float};
 use crate::linear::{
     affine_forward, affine_input_grad, affine_weight_grad, check_precision, column_sums, halve_at,
-    input_grad, round_at, Reduce,
+    halve_held, input_grad, round_at, Reduce,
 };
+use crate::DeferredWeights;
 use crate::{composed, OpsBackend, Precision};
 
 /// The collectives around [`mlp`] and [`attention_block`] (tensor parallelism).
@@ -57,8 +60,45 @@ pub struct PairOptions {
     /// What the products multiply in and what the op keeps for its backward
     /// ([`Precision`]): at `Bf16` the pre-activation is rounded to bf16 before the
     /// middle function, and the pre-activation and the middle function's output are kept
-    /// as bf16 (half the bytes). `Bf16` takes f32 tensors.
+    /// as bf16 (half the bytes). `Bf16` takes f32 tensors, or bf16 activations (the
+    /// output is then bf16 too).
+    ///
+    /// At `Bf16` the op also keeps its input as the products read it, rounded to bf16
+    /// once, and its backward never reads the input tensor's values again: a caller
+    /// that owns the input (a LayerNorm's output that nothing else reads) may free it in
+    /// place after the forward (`switchyard_shard::free_in_place`), so what stays for
+    /// the backward is bf16.
     pub precision: Precision,
+    /// A split backward (zero-bubble schedules): while it is split, the backward
+    /// computes only the input gradient, returns no gradient for the two fused weights,
+    /// and defers their products to [`DeferredWeights::run_oldest`], which gives
+    /// `d[w1 | b1]` and `d[w2 | b2]` (the same values as without it). The forward of a
+    /// split backward's fused op reads its weights without their graph
+    /// ([`PairWeights::detached`]: candle wants a gradient for every tracked input). The
+    /// composed twin ignores it.
+    pub defer: Option<DeferredWeights>,
+}
+
+/// Rows that a deferred weight product reads, owned (copied out of the backward).
+enum Owned<T> {
+    Full(Vec<T>),
+    Half(Vec<bf16>),
+}
+
+impl<T: Copy> Owned<T> {
+    fn of(h: Held<T>) -> Self {
+        match h {
+            Held::Full(x) => Owned::Full(x.to_vec()),
+            Held::Half(x) => Owned::Half(x.to_vec()),
+        }
+    }
+
+    fn held(&self) -> Held<'_, T> {
+        match self {
+            Owned::Full(x) => Held::Full(x),
+            Owned::Half(x) => Held::Half(x),
+        }
+    }
 }
 
 /// The weights of a column-then-row pair, each fused with its bias as a last column
@@ -114,6 +154,18 @@ impl PairWeights {
     /// themselves (sharing their storage) where nothing is fused.
     pub fn fused(&self) -> &[Tensor; 2] {
         &self.fused
+    }
+
+    /// The same weights cut from the autograd graph (sharing their storage): what a
+    /// split backward's forward passes ([`PairOptions::defer`]), so that the backward
+    /// owes the weights no gradient.
+    pub fn detached(&self) -> PairWeights {
+        PairWeights {
+            fused: self.fused.clone().map(|t| t.detach()),
+            w: self.w.clone().map(|t| t.detach()),
+            b: self.b.clone().map(|b| b.map(|t| t.detach())),
+            copied: self.copied,
+        }
     }
 
     /// Whether each of [`PairWeights::fused`] is a tensor of its own (a copy of the
@@ -210,9 +262,29 @@ fn pair(x: &Tensor, w: &PairWeights, heads: Option<usize>, opts: &PairOptions) -
         opts.precision,
         x,
     )?;
-    if !opts.backend.fuses(x) || w.fused[0].dtype() != x.dtype() || !w.fused[0].device().is_cpu() {
+    let half = x.dtype() == DType::BF16 && opts.precision == Precision::Bf16;
+    let wt = w.fused[0].dtype();
+    let fused = match half {
+        true => opts.backend.fuses_bf16(x) && wt == DType::F32,
+        false => opts.backend.fuses(x) && wt == x.dtype(),
+    };
+    if !fused || !w.fused[0].device().is_cpu() {
+        if half && wt == DType::F32 {
+            // bf16 activations on the composed twin: it multiplies f32 tensors.
+            return composed::pair(&x.to_dtype(DType::F32)?, w, heads, opts)?.to_dtype(DType::BF16);
+        }
         return composed::pair(x, w, heads, opts);
     }
+    // A split backward: the fused op's weight gradients come from the deferred
+    // products, not from candle's graph, which wants one for every tracked input.
+    let detached;
+    let w = match opts.defer.as_ref().is_some_and(|q| q.is_split()) {
+        true => {
+            detached = w.detached();
+            &detached
+        }
+        false => w,
+    };
     let op = Pair {
         opts: opts.clone(),
         d,
@@ -222,6 +294,7 @@ fn pair(x: &Tensor, w: &PairWeights, heads: Option<usize>, opts: &PairOptions) -
         bias: [w.b[0].is_some(), w.b[1].is_some()],
         attention: heads.map(AttentionEpilogue::new),
         saved: OnceLock::new(),
+        input: OnceLock::new(),
     };
     x.contiguous()?.apply_op3(&w.fused[0], &w.fused[1], op)
 }
@@ -241,6 +314,10 @@ struct Pair {
     /// `pre` and `h = mid(pre)`, for the backward pass (`h` recomputed there instead
     /// under [`PairOptions::recompute_gelu`]); bf16 at [`Precision::Bf16`].
     saved: OnceLock<(CpuStorage, Option<CpuStorage>)>,
+    /// The input rounded to bf16 at [`Precision::Bf16`] (an f32 input): what the
+    /// products read forward and the weight gradient backward, so that the input
+    /// tensor may be freed.
+    input: OnceLock<CpuStorage>,
 }
 
 impl Pair {
@@ -268,7 +345,7 @@ impl Pair {
 
     fn forward<T: Float>(
         &self,
-        x: &[T],
+        x: Held<T>,
         w1: &[T],
         w2: &[T],
         shape: &Shape,
@@ -280,7 +357,11 @@ impl Pair {
         };
         let b1 = bias(self.bias[0], w1, n1, ld1);
         let prec = self.opts.precision;
-        let pre = affine_forward(Held::Full(x), d, w1, ld1, b1.as_deref(), n1, None, prec)?;
+        // At bf16 an f32 input is rounded once and kept so (see `Pair::input`).
+        let half_out = matches!(x, Held::Half(_));
+        let x_half = halve_held(prec, x);
+        let x = x.or_half(x_half.as_deref());
+        let pre = affine_forward(x, d, w1, ld1, b1.as_deref(), n1, None, prec)?;
         // The middle function. At bf16 `pre` and `h` are rounded to bf16: the middle
         // function and the backward see the same values, the second product reads `h`
         // so, and the backward keeps both so. The MLP does it in one pass over `pre`.
@@ -315,19 +396,25 @@ impl Pair {
         )?;
         let h = (!self.recomputes_h()).then(|| keep(h, half));
         let _ = self.saved.set((pre, h));
+        if let Some(x) = x_half {
+            let _ = self.input.set(CpuStorage::BF16(x));
+        }
         let mut dims = shape.dims().to_vec();
         *dims.last_mut().expect("rank ≥ 2") = out;
-        Ok((T::to_cpu_storage_owned(y), Shape::from(dims)))
+        Ok((storage_as(y, half_out)?, Shape::from(dims)))
     }
 
-    /// `(dx, d[w1 | b1], d[w2 | b2])`; `dx` only when `x` tracks gradients.
+    /// `(dx, d[w1 | b1], d[w2 | b2])`; `dx` only when `x` tracks gradients, the weights'
+    /// only when not deferred ([`PairOptions::defer`]).
+    #[allow(clippy::type_complexity)]
     fn backward<T: Float>(
         &self,
         x: &Tensor,
         w1: &Tensor,
         w2: &Tensor,
         grad: &Tensor,
-    ) -> Result<(Option<Tensor>, Tensor, Tensor)> {
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let defer = self.opts.defer.as_ref().filter(|q| q.is_split());
         let (d, n1, mid, out) = (self.d, self.n1, self.mid, self.out);
         let (ld1, ld2) = self.lds();
         let Some((pre, h)) = self.saved.get() else {
@@ -355,20 +442,31 @@ impl Pair {
         let grad = grad.contiguous()?;
         let n = Self::NAME;
         let (xv, w1v, w2v, gv) = (view(x, n)?, view(w1, n)?, view(w2, n)?, view(&grad, n)?);
-        let (xs, w1s, w2s, g) = (
-            xv.get::<T>()?,
-            w1v.get::<T>()?,
-            w2v.get::<T>()?,
-            gv.get::<T>()?,
-        );
+        // The input as the forward's products read it: kept rounded (the tensor's
+        // values may have been freed: only a view of them is taken), or the values.
+        let xs = match self.input.get() {
+            Some(kept) => T::held(kept)?,
+            None => xv.held::<T>()?,
+        };
+        let (w1s, w2s, g_in) = (w1v.get::<T>()?, w2v.get::<T>()?, gv.held::<T>()?);
         // The second affine map (`g`'s backward is the identity), then the middle
         // function, then the first. At bf16 each operand that two products read (`G`,
-        // then `dpre`) is rounded once.
+        // then `dpre`) is rounded once (a bf16 `G`, the gradient of a bf16 output, is
+        // read as it is and widened only for the bias's sums).
         let sums = |on: bool, g: &[T], width: usize| on.then(|| column_sums(g, width));
-        let half = halve_at(prec, g);
-        let gh = Held::of(g, half.as_deref());
+        let g = widened(g_in)?;
+        let half = halve_held(prec, g_in);
+        let gh = g_in.or_half(half.as_deref());
+        let g = &g[..];
         let db2 = sums(self.bias[1], g, out);
-        let dw2 = affine_weight_grad(gh, h_held, mid, out, ld2, db2, prec)?;
+        // Split (an `I`): what `dW2` reads, copied for the `W`.
+        let (dw2, deferred2) = match defer {
+            None => (
+                Some(affine_weight_grad(gh, h_held, mid, out, ld2, db2, prec)?),
+                None,
+            ),
+            Some(_) => (None, Some((Owned::of(gh), Owned::of(h_held), db2))),
+        };
         let dh = affine_input_grad(gh, w2s, ld2, mid, out, prec)?;
         drop((half, recomputed));
         let middle = match (fused, pre, kernel::as_f32(&dh)) {
@@ -403,14 +501,26 @@ impl Pair {
         };
         drop(dh);
         let dpre = Held::of(&dpre, half.as_deref());
-        let dw1 = affine_weight_grad(dpre, Held::Full(xs), d, n1, ld1, db1, prec)?;
+        let dw1 = match (defer, deferred2) {
+            (Some(q), Some((g2, h2, db2))) => {
+                let (d1, x1) = (Owned::of(dpre), Owned::of(xs));
+                q.defer(Box::new(move || {
+                    let dw1 = affine_weight_grad(d1.held(), x1.held(), d, n1, ld1, db1, prec)?;
+                    let dw2 = affine_weight_grad(g2.held(), h2.held(), mid, out, ld2, db2, prec)?;
+                    Ok(vec![
+                        kernel::tensor(dw1, (n1, ld1))?,
+                        kernel::tensor(dw2, (out, ld2))?,
+                    ])
+                }));
+                None
+            }
+            _ => Some(affine_weight_grad(dpre, xs, d, n1, ld1, db1, prec)?),
+        };
         let reduce = self.opts.reduce_input_grad.as_ref();
         let dx = input_grad(x, dpre, w1s, ld1, d, n1, reduce, prec)?;
-        Ok((
-            dx,
-            kernel::tensor(dw1, (n1, ld1))?,
-            kernel::tensor(dw2, (out, ld2))?,
-        ))
+        let dw1 = dw1.map(|v| kernel::tensor(v, (n1, ld1))).transpose()?;
+        let dw2 = dw2.map(|v| kernel::tensor(v, (out, ld2))).transpose()?;
+        Ok((dx, dw1, dw2))
     }
 }
 
@@ -430,14 +540,14 @@ impl CustomOp3 for Pair {
     ) -> Result<(CpuStorage, Shape)> {
         let n = Self::NAME;
         match s1.dtype() {
-            DType::F32 => self.forward::<f32>(
-                slice(s1, l1, n)?,
+            DType::F32 | DType::BF16 => self.forward::<f32>(
+                held_slice(s1, l1, n)?,
                 slice(s2, l2, n)?,
                 slice(s3, l3, n)?,
                 l1.shape(),
             ),
             DType::F64 => self.forward::<f64>(
-                slice(s1, l1, n)?,
+                held_slice(s1, l1, n)?,
                 slice(s2, l2, n)?,
                 slice(s3, l3, n)?,
                 l1.shape(),
@@ -454,10 +564,9 @@ impl CustomOp3 for Pair {
         _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let (dx, dw1, dw2) = match x.dtype() {
-            DType::F32 => self.backward::<f32>(x, w1, w2, grad)?,
-            _ => self.backward::<f64>(x, w1, w2, grad)?,
-        };
-        Ok((dx, Some(dw1), Some(dw2)))
+        match x.dtype() {
+            DType::F32 | DType::BF16 => self.backward::<f32>(x, w1, w2, grad),
+            _ => self.backward::<f64>(x, w1, w2, grad),
+        }
     }
 }

@@ -274,6 +274,13 @@ impl<'a> Executor<'a> {
         };
         let mut losses = Vec::new();
         let last = self.last_stage();
+        // The (stage, microbatch) pairs whose backward is split (an `I`): their forward
+        // runs split too (`Stage::split_backward`).
+        let split: std::collections::HashSet<(u32, u32)> = self.program().ranks[r as usize]
+            .iter()
+            .filter(|a| a.op == Op::I)
+            .map(|a| (a.stage, a.microbatch))
+            .collect();
 
         for a in &self.program().ranks[r as usize] {
             let t0 = Instant::now();
@@ -289,6 +296,7 @@ impl<'a> Executor<'a> {
             match a.op {
                 Op::F => {
                     let stage = self.stage(s)?;
+                    stage.split_backward(split.contains(&key));
                     let (x, input) = if s == 0 {
                         let Some(x) = mb.inputs.get(m as usize) else {
                             return Err(PipelineError::MissingMicrobatch {
@@ -391,6 +399,7 @@ impl<'a> Executor<'a> {
                         }
                         .into()
                     };
+                    stage.split_backward(a.op == Op::I);
                     let hooked = self.hooked(s);
                     // With hooks, a `B` hands each segment's gradients over as soon as
                     // its backward is done; otherwise they are collected (and an `I`
@@ -452,16 +461,18 @@ impl<'a> Executor<'a> {
                     }
                 }
                 Op::W => {
-                    let Some(pg) = pending_w.remove(&key) else {
+                    let Some(mut pg) = pending_w.remove(&key) else {
                         return Err(PipelineError::WeightBeforeInput {
                             rank: r,
                             action: *a,
                         }
                         .into());
                     };
+                    let stage = self.stage(s)?;
+                    let computed = stage.backward_weights(m)?;
+                    segments::add_weight_grads(stage, &mut pg, computed)?;
                     self.hooked(s)
                         .take_grads(pg, acc.get_mut(&s).expect("stage of this rank"))?;
-                    self.stage(s)?.backward_weights(m)?;
                     *held.get_mut(&s).expect("stage of this rank") -= 1;
                 }
                 Op::SendF | Op::SendB => {

@@ -20,13 +20,14 @@
 //!   `loss · loss_scale`. The input gradient is sent on (or handed to the previous stage
 //!   on this rank), parameter gradients are accumulated over microbatches, and the stash
 //!   entry is dropped, so its activations are freed at once. A split backward keeps the
-//!   parameter gradients of `I` until its `W` adds them in: `I` runs the stage's whole
-//!   backward in one autograd pass (candle cannot compute input gradients alone), so the
-//!   schedule's order is kept but `W` costs almost nothing. The activation count still
-//!   runs until `W`, as the simulator counts it. `W` then calls the stage's
-//!   [`Stage::backward_weights`] hook (by default nothing): where a stage whose weight
-//!   gradients are computed apart does that work, and where a synthetic stage spends
-//!   `W`'s time.
+//!   parameter gradients of `I` until its `W`: before a microbatch's `F` and its
+//!   backward the executor tells the stage whether that backward is split
+//!   ([`Stage::split_backward`]); a stage that splits (the GPT's fused ops) computes
+//!   only input gradients (and the weight gradients it does not defer) in `I`, and
+//!   `W` calls [`Stage::backward_weights`], whose gradients are added to those `I`
+//!   kept. A stage that does not split runs its whole backward in `I` and nothing in
+//!   `W` (a synthetic stage spends `W`'s time there). The activation count runs until
+//!   `W`, as the simulator counts it.
 //! * With activation recomputation ([`Executor::with_recompute`]), `F` keeps only the
 //!   input of each of the stage's segments ([`Stage::forward_segment`]) and drops the
 //!   graph; `B` runs the segments again, last first, each with autograd just before its

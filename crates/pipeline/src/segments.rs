@@ -260,3 +260,44 @@ pub(crate) fn add_into(acc: &mut [Option<Tensor>], new: Vec<Option<Tensor>>) -> 
     }
     Ok(())
 }
+
+/// Adds the gradients a split backward's `W` computed ([`Stage::backward_weights`]) to
+/// those its `I` kept, each into the segment that holds its parameter (the only entry
+/// when the stage ran as one graph).
+pub(crate) fn add_weight_grads(
+    stage: &dyn Stage,
+    kept: &mut SegmentGrads,
+    computed: Vec<(Var, Tensor)>,
+) -> Result<()> {
+    let params = stage.params();
+    let index = |v: &Var| params.iter().position(|p| p.id() == v.id());
+    // The segment that holds each parameter (the first that lists it).
+    let mut segment_of = vec![0; params.len()];
+    for i in (0..stage.num_segments()).rev() {
+        for j in stage.segment_params(i).iter().filter_map(index) {
+            segment_of[j] = i;
+        }
+    }
+    for (var, g) in computed {
+        let Some(j) = index(&var) else {
+            candle_core::bail!(
+                "backward_weights gave a gradient for a parameter the stage does not have ({:?})",
+                var.dims()
+            )
+        };
+        let e = match kept.iter().position(|(i, _)| *i == segment_of[j]) {
+            _ if kept.len() == 1 => 0,
+            Some(e) => e,
+            None => {
+                kept.push((segment_of[j], vec![None; params.len()]));
+                kept.len() - 1
+            }
+        };
+        let slot = &mut kept[e].1[j];
+        *slot = Some(match slot.take() {
+            Some(prev) => (prev + g)?,
+            None => g,
+        });
+    }
+    Ok(())
+}

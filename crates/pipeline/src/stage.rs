@@ -50,16 +50,24 @@ pub trait Stage: Send + Sync {
         let _ = i;
         Ok(())
     }
+    /// Called before every forward and every backward the executor runs: `split` when
+    /// that microbatch's backward is an `I` (the stage may compute only its input
+    /// gradient and leave weight products for the `W` of the same microbatch), not when
+    /// it is a `B` (everything at once). Default: nothing, `I` runs the whole backward.
+    fn split_backward(&self, split: bool) {
+        let _ = split;
+    }
     /// The weight-gradient half of a split backward: called when the executor runs `W`
-    /// for `microbatch`, after it has added in the parameter gradients that the `I`
-    /// before it kept. The default does nothing: `I` runs the stage's whole backward in
-    /// one autograd pass, so the weight gradients are already there. A stage whose `W`
-    /// has work of its own does it here ([`crate::SyntheticStage`] spends `W`'s cost; a
-    /// stage that computes its weight gradients apart from its input gradients would
-    /// compute them here).
-    fn backward_weights(&self, microbatch: u32) -> Result<()> {
+    /// for `microbatch`. Returns the gradients it computed, each with its parameter (one
+    /// of [`Stage::params`]); the executor adds them to those the `I` before it kept,
+    /// and hands the sum over as that microbatch's. `W`s run in the order of their
+    /// `I`s on each stage in every generated schedule, so a stage may compute the
+    /// oldest deferred work (the sums of a step do not depend on which `W` computes
+    /// which microbatch). The default computes nothing: `I` ran the whole backward
+    /// ([`crate::SyntheticStage`] spends `W`'s cost here).
+    fn backward_weights(&self, microbatch: u32) -> Result<Vec<(Var, Tensor)>> {
         let _ = microbatch;
-        Ok(())
+        Ok(Vec::new())
     }
     /// Called by [`crate::Executor::run`] before a step's first action. A stage may
     /// derive tensors from its parameters here once for all of the step's microbatches

@@ -9,13 +9,13 @@
 
 use std::sync::Arc;
 
-use candle_core::{Module, Result, Tensor};
+use candle_core::{Module, Result, Tensor, Var};
 use switchyard_comm::Communicator;
-use switchyard_ops::attention_block_with;
+use switchyard_ops::{attention_block_with, DeferredWeights, PairOptions};
 
 use crate::error::ShardError;
 use crate::linear::{check_group, ColumnParallelLinear, RowParallelLinear};
-use crate::pair::{column_row_pair, pair_options, StepCache};
+use crate::pair::{column_row_pair, pair_backward_weights, pair_options, StepCache};
 use crate::param::{Builder, Init};
 
 /// Initialisation of a transformer sub-layer's parameters.
@@ -55,6 +55,8 @@ pub struct ParallelSelfAttention {
     /// The weights fused with their biases between [`ParallelSelfAttention::begin_step`]
     /// and [`ParallelSelfAttention::end_step`].
     fused: StepCache,
+    /// Where a split backward defers the weight products ([`Self::set_split_backward`]).
+    split: DeferredWeights,
 }
 
 impl ParallelSelfAttention {
@@ -105,6 +107,7 @@ impl ParallelSelfAttention {
             local_heads: n_head / n,
             head_dim: d_model / n_head,
             fused: StepCache::default(),
+            split: DeferredWeights::new(),
         })
     }
 
@@ -117,7 +120,10 @@ impl ParallelSelfAttention {
     /// tensor of candle's graph.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         x.dims3()?;
-        let opts = pair_options(&self.c_attn);
+        let opts = PairOptions {
+            defer: Some(self.split.clone()),
+            ..pair_options(&self.c_attn)
+        };
         let w = self.fused.weights(&self.c_attn, &self.c_proj)?;
         attention_block_with(x, &w, self.local_heads, &opts).map_err(|e| {
             e.context(format!(
@@ -138,6 +144,21 @@ impl ParallelSelfAttention {
     /// parameters change.
     pub fn end_step(&self) {
         self.fused.end();
+        self.split.clear();
+    }
+
+    /// Whether the backwards from now on compute only the input gradient (a split
+    /// backward's `I`) and defer the weight products to
+    /// [`ParallelSelfAttention::backward_weights`], or compute everything (a `B`).
+    pub fn set_split_backward(&self, on: bool) {
+        self.split.set_split(on);
+    }
+
+    /// The weight gradients of the oldest backward whose weight products were deferred
+    /// (a split backward's `W`): each parameter with its gradient, the same values a
+    /// whole backward gives them; none when nothing is deferred.
+    pub fn backward_weights(&self) -> Result<Vec<(Var, Tensor)>> {
+        pair_backward_weights(&self.split, &self.c_attn, &self.c_proj)
     }
 
     /// Frees the values [`ParallelSelfAttention::begin_step`] fused, in place: the tensors stay (a

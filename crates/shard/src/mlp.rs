@@ -7,14 +7,14 @@
 
 use std::sync::Arc;
 
-use candle_core::{Module, Result, Tensor};
+use candle_core::{Module, Result, Tensor, Var};
 use switchyard_comm::Communicator;
-use switchyard_ops::{mlp_with, PairOptions};
+use switchyard_ops::{mlp_with, DeferredWeights, PairOptions};
 
 use crate::attention::LayerInit;
 use crate::error::ShardError;
 use crate::linear::{check_group, ColumnParallelLinear, RowParallelLinear};
-use crate::pair::{column_row_pair, pair_options, StepCache};
+use crate::pair::{column_row_pair, pair_backward_weights, pair_options, StepCache};
 use crate::param::Builder;
 
 /// `c_fc` (column, `d → hidden`, bias), GELU (tanh approximation), `c_proj` (row,
@@ -30,6 +30,8 @@ pub struct ParallelMlp {
     /// The weights fused with their biases between [`ParallelMlp::begin_step`] and
     /// [`ParallelMlp::end_step`].
     fused: StepCache,
+    /// Where a split backward defers the weight products ([`Self::set_split_backward`]).
+    split: DeferredWeights,
     /// [`Builder::selective_recompute`]: the GELU's output is computed again in the
     /// backward instead of kept.
     recompute_gelu: bool,
@@ -64,6 +66,7 @@ impl ParallelMlp {
             c_fc,
             c_proj,
             fused: StepCache::default(),
+            split: DeferredWeights::new(),
             recompute_gelu: vb.selective_recompute(),
         })
     }
@@ -74,6 +77,7 @@ impl ParallelMlp {
         // `g` on the output; the `[.., hidden/p]` activation never leaves it.
         let opts = PairOptions {
             recompute_gelu: self.recompute_gelu,
+            defer: Some(self.split.clone()),
             ..pair_options(&self.c_fc)
         };
         let w = self.fused.weights(&self.c_fc, &self.c_proj)?;
@@ -91,6 +95,21 @@ impl ParallelMlp {
     /// Drops what [`ParallelMlp::begin_step`] fused: call it before the parameters change.
     pub fn end_step(&self) {
         self.fused.end();
+        self.split.clear();
+    }
+
+    /// Whether the backwards from now on compute only the input gradient (a split
+    /// backward's `I`) and defer the weight products to
+    /// [`ParallelMlp::backward_weights`], or compute everything (a `B`).
+    pub fn set_split_backward(&self, on: bool) {
+        self.split.set_split(on);
+    }
+
+    /// The weight gradients of the oldest backward whose weight products were deferred
+    /// (a split backward's `W`): each parameter with its gradient, the same values a
+    /// whole backward gives them; none when nothing is deferred.
+    pub fn backward_weights(&self) -> Result<Vec<(Var, Tensor)>> {
+        pair_backward_weights(&self.split, &self.c_fc, &self.c_proj)
     }
 
     /// Frees the values [`ParallelMlp::begin_step`] fused, in place: the tensors stay (a

@@ -5,9 +5,9 @@
 
 use std::sync::Arc;
 
-use candle_core::{Result, Tensor};
+use candle_core::{Result, Tensor, Var};
 use switchyard_comm::Communicator;
-use switchyard_ops::{PairOptions, PairWeights};
+use switchyard_ops::{DeferredWeights, PairOptions, PairWeights};
 
 use crate::linear::{
     all_reduce_hook, ColumnConfig, ColumnParallelLinear, RowConfig, RowParallelLinear,
@@ -132,6 +132,7 @@ pub(crate) fn pair_options(first: &ColumnParallelLinear) -> PairOptions {
         backend: first.ops(),
         recompute_gelu: false,
         precision: first.precision(),
+        defer: None,
     }
 }
 
@@ -173,4 +174,33 @@ pub(crate) fn column_row_pair(
         },
     )?;
     Ok((column, row))
+}
+
+/// The weights' gradients of a pair from its oldest deferred weight products (a split
+/// backward's `W`, [`switchyard_ops::DeferredWeights`]): `d[w1 | b1]` and `d[w2 | b2]`
+/// split into each parameter's, as the fused tensors' own backward would; none when
+/// nothing is deferred.
+pub(crate) fn pair_backward_weights(
+    split: &DeferredWeights,
+    col: &ColumnParallelLinear,
+    row: &RowParallelLinear,
+) -> Result<Vec<(Var, Tensor)>> {
+    let Some(grads) = split.run_oldest()? else {
+        return Ok(Vec::new());
+    };
+    let mut out = Vec::with_capacity(4);
+    for (g, (w, b)) in grads
+        .into_iter()
+        .zip([(col.weight(), col.bias()), (row.weight(), row.bias())])
+    {
+        let cols = w.as_tensor().dim(1)?;
+        match b {
+            Some(b) if g.dim(1)? == cols + 1 => {
+                out.push((w.clone(), g.narrow(1, 0, cols)?.contiguous()?));
+                out.push((b.clone(), g.narrow(1, cols, 1)?.squeeze(1)?.contiguous()?));
+            }
+            _ => out.push((w.clone(), g)),
+        }
+    }
+    Ok(out)
 }

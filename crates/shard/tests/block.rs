@@ -368,3 +368,52 @@ fn fused_weights_live_for_one_step_only() {
     })
     .unwrap();
 }
+
+/// At bf16 the fused attention and MLP keep their input rounded to bf16 and never read
+/// the input tensor again: freeing it in place after the forward (what the GPT's
+/// blocks do with the LayerNorms' outputs) changes no output or gradient, on one rank
+/// and on two.
+#[test]
+fn at_bf16_the_pairs_never_read_a_freed_input() {
+    use switchyard_shard::storage::{free_in_place, is_freed};
+    use switchyard_shard::Precision;
+    let x_full = rand_tensor(6, &[B, T, D], 1.0, DType::F32);
+    let r = rand_tensor(7, &[B, T, D], 1.0, DType::F32);
+    for tp in [1, 2] {
+        let run = |free: bool| {
+            run_parallel(tp, DType::F32, ShardSpec::Replicated, &r, |comm, store| {
+                let vb = store
+                    .builder()
+                    .with_precision(Precision::Bf16)
+                    .pp("transformer.h.0");
+                let (attn, mlp) = (
+                    ParallelSelfAttention::new(&vb, comm.clone(), D, HEADS, init())?,
+                    ParallelMlp::new(&vb, comm.clone(), D, 4 * D, init())?,
+                );
+                let x = var(&x_full);
+                let h = (x.as_tensor() * 0.5)?;
+                let a = attn.forward(&h)?;
+                let m = mlp.forward(&h)?;
+                if free {
+                    free_in_place(&h)?;
+                    assert!(is_freed(&h));
+                }
+                Ok(((a + m)?, Some(x)))
+            })
+        };
+        let (kept, freed) = (run(false), run(true));
+        for (rank, (k, f)) in kept.iter().zip(&freed).enumerate() {
+            let same = |a: &Tensor, b: &Tensor| {
+                let v = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                v(a) == v(b)
+            };
+            assert!(same(&k.y, &f.y), "tp {tp} rank {rank}: output");
+            let (dk, df) = (k.dx.as_ref().unwrap(), f.dx.as_ref().unwrap());
+            assert!(same(dk, df), "tp {tp} rank {rank}: input gradient");
+            assert_eq!(k.grads.len(), f.grads.len());
+            for ((name, (_, a)), (_, (_, b))) in k.grads.iter().zip(&f.grads) {
+                assert!(same(a, b), "tp {tp} rank {rank}: gradient of {name}");
+            }
+        }
+    }
+}

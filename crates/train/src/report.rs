@@ -8,17 +8,19 @@
 use std::collections::BTreeMap;
 use std::io::{IsTerminal, Write};
 use std::path::Path;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use crate::error::{Context, Result};
 use candle_core::{Device, Tensor};
 use serde::Serialize;
 use switchyard_mem::Category;
-use switchyard_pipeline::step_bubbles;
 use switchyard_schedule::{simulate, Action, Costs, Op};
 
 use crate::worker::{StepMetrics, Worker};
+
+mod pipeline;
 use crate::TrainConfig;
+use pipeline::{measured_split_costs, median_bubbles, rank_row, timed, MEANS_WIDTH};
 use switchyard_models::Model;
 
 /// One step, as reported by rank 0 for the whole job.
@@ -57,9 +59,10 @@ pub struct PipelineRankReport {
     /// steps after the first): `1 − compute / makespan`, the makespan being the longest
     /// executor step of any rank ([`switchyard_pipeline::step_bubbles`]).
     pub bubble_measured: f64,
-    /// The simulator's bubble for this rank with the costs that actually run: F=1, B=2,
-    /// and for a split backward (ZB-H1) I=2, W=0, because the executor's `I` runs the
-    /// whole backward and its `W` only adds the kept weight gradients.
+    /// The simulator's bubble for this rank: with F=1, B=2, and for a split backward
+    /// (ZB-H1) with the `F`, `I` and `W` durations measured in this run (averaged over
+    /// the ranks), whose split the model decides (the GPT's fused ops defer their weight
+    /// products to `W`).
     pub bubble_predicted: f64,
     /// Most microbatches whose activations this rank had stashed at once, counted from
     /// the executed order of actions (+1 at a forward, −1 at its backward, or at its `W`
@@ -244,40 +247,6 @@ pub(crate) fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-/// The steps whose timings count: all but the first (which includes warming up), unless
-/// there is only one.
-fn timed(steps: &[StepMetrics]) -> &[StepMetrics] {
-    &steps[usize::from(steps.len() > 1)..]
-}
-
-/// This rank's pipeline figures, as a fixed-size row: peak, then `(stage, peak)` for up
-/// to `v` stages (padded with −1), then the executor's compute and wall seconds of each
-/// [`timed`] step.
-fn rank_row(steps: &[StepMetrics], v: usize) -> Vec<f64> {
-    let mut per_stage: BTreeMap<u32, usize> = BTreeMap::new();
-    for s in steps {
-        for (&k, &p) in &s.exec.peak_per_stage {
-            let e = per_stage.entry(k).or_default();
-            *e = (*e).max(p);
-        }
-    }
-    let mut row = vec![steps
-        .iter()
-        .map(|s| s.exec.peak_activations)
-        .max()
-        .unwrap_or(0) as f64];
-    for i in 0..v {
-        match per_stage.iter().nth(i) {
-            Some((&k, &p)) => row.extend([k as f64, p as f64]),
-            None => row.extend([-1.0, -1.0]),
-        }
-    }
-    let timed = timed(steps);
-    row.extend(timed.iter().map(|s| s.exec.compute.as_secs_f64()));
-    row.extend(timed.iter().map(|s| s.exec.wall.as_secs_f64()));
-    row
-}
-
 /// Entries of [`memory_row`]: measured or not, the peak, the process's id and peak
 /// resident set, the peak's split by category.
 const MEMORY_WIDTH: usize = 4 + Category::ALL.len();
@@ -308,26 +277,6 @@ pub fn peak_rss() -> Option<u64> {
     Some(kb * 1024)
 }
 
-/// The median over steps of each rank's bubble (see [`switchyard_pipeline::step_bubbles`]),
-/// from every rank's row of [`rank_row`]: `n` steps of `(compute, wall)` from `offset`.
-fn median_bubbles(rows: &[f64], width: usize, offset: usize, n: usize) -> Vec<f64> {
-    let ranks = rows.len() / width;
-    let secs = Duration::from_secs_f64;
-    let mut per_rank = vec![Vec::with_capacity(n); ranks];
-    for step in 0..n {
-        let timings: Vec<(Duration, Duration)> = (0..ranks)
-            .map(|r| {
-                let row = &rows[r * width + offset..];
-                (secs(row[step]), secs(row[n + step]))
-            })
-            .collect();
-        for (r, b) in step_bubbles(&timings).into_iter().enumerate() {
-            per_rank[r].push(b);
-        }
-    }
-    per_rank.into_iter().map(median).collect()
-}
-
 /// Assembles the report on rank 0 (`None` elsewhere) and writes the trace to `trace`.
 /// Collective over the world.
 pub(crate) fn gather<M: Model>(
@@ -354,15 +303,12 @@ pub(crate) fn gather<M: Model>(
     if let (Some(path), Some(events)) = (trace, events) {
         write_trace(cfg, path, events)?;
     }
-    // ZB-H1 runs, but not yet as a zero-bubble schedule: the executor's `I` runs the
-    // whole backward and `W` only adds the kept weight gradients (see
-    // switchyard-pipeline), so predict with the costs that actually run.
+    // A split backward's `I` and `W` cost what the model splits into them (the fused
+    // ops defer their weight products to `W`; a model that does not, nothing): predict
+    // with the mean `F`, `I` and `W` every rank measured.
+    let means_at = width - MEMORY_WIDTH - MEANS_WIDTH;
     let costs = match worker.program().has_split_backward() {
-        true => Costs {
-            i: 2.0,
-            w: 0.0,
-            ..Costs::default()
-        },
+        true => measured_split_costs(&rows, width, means_at),
         false => Costs::default(),
     };
     let predicted = simulate(worker.program(), &costs)?;

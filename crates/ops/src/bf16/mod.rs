@@ -56,6 +56,7 @@ use amx::Tiles;
 /// Where AMX is not compiled in, nothing to configure.
 #[cfg(not(all(target_arch = "x86_64", target_os = "linux", not(miri))))]
 enum Tiles {}
+mod act;
 mod convert;
 #[cfg(all(target_arch = "x86_64", not(miri)))]
 mod dpbf16;
@@ -70,6 +71,7 @@ use convert::round_to_bf16;
 pub(crate) use convert::{round_and_halve, round_into, to_bf16_vec, widen, widen_into, ToBf16};
 pub(crate) use pack::{b_index, pack_a, pack_b, PackedA, PackedB, B_BLOCK};
 
+pub(crate) use act::{grad_as, half_slice, held_slice, storage_as, widened};
 pub use linear::{linear_bf16, linear_bf16_on};
 pub(crate) use product::{keep, Bf16Product, Held, HeldMat};
 
@@ -337,7 +339,9 @@ fn block(
     panel: &[u16],
     c: &mut [f32; BLOCK * BLOCK],
 ) {
-    let _ = &tiles; // Used by the AMX arm only, which some targets do not compile.
+    // Used by the AMX and AVX-512 BF16 arms only, which some targets (and Miri) do not
+    // compile.
+    let _ = (&tiles, &c);
     debug_assert!(depth.is_multiple_of(BLOCK) && depth <= lda);
     debug_assert_eq!(a.len(), (BLOCK - 1) * lda + depth);
     debug_assert_eq!(panel.len(), depth / BLOCK * B_BLOCK);

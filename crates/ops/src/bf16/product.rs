@@ -32,6 +32,14 @@ impl<'a, T> Held<'a, T> {
         }
     }
 
+    /// `half` (this operand rounded once) when there is one, else this.
+    pub(crate) fn or_half(self, half: Option<&'a [bf16]>) -> Self {
+        match half {
+            Some(h) => Held::Half(h),
+            None => self,
+        }
+    }
+
     pub(crate) fn len(&self) -> usize {
         match self {
             Held::Full(x) => x.len(),
@@ -116,6 +124,10 @@ pub(crate) trait Bf16Product: Sized + Copy {
 
     /// What [`keep`] made, as the products read it (bf16 not widened).
     fn held(s: &CpuStorage) -> candle_core::Result<Held<'_, Self>>;
+
+    /// bf16 values (a bf16 activation) widened to this type, exactly (f32); f64 never
+    /// meets bf16 activations and refuses.
+    fn widen_half(x: &[bf16]) -> candle_core::Result<Vec<Self>>;
 }
 
 impl Bf16Product for f32 {
@@ -165,6 +177,10 @@ impl Bf16Product for f32 {
             s => Held::Full(s.as_slice::<f32>()?),
         })
     }
+
+    fn widen_half(x: &[bf16]) -> candle_core::Result<Vec<f32>> {
+        Ok(widen(x))
+    }
 }
 
 impl Bf16Product for f64 {
@@ -211,6 +227,10 @@ impl Bf16Product for f64 {
 
     fn held(s: &CpuStorage) -> candle_core::Result<Held<'_, f64>> {
         Ok(Held::Full(s.as_slice::<f64>()?))
+    }
+
+    fn widen_half(_: &[bf16]) -> candle_core::Result<Vec<f64>> {
+        candle_core::bail!("bf16 activations are computed in f32, not f64")
     }
 }
 

@@ -19,8 +19,9 @@
 //! parameter gradients `G_s = 4·Ψ_s` and the gradients flowing back
 //! (`tokens · backward_per_token · 4`); then it frees `A_s`, and adds `G_s` into the
 //! gradients kept from earlier microbatches one tensor at a time (the new ones and one
-//! sum live at once), or keeps them when they are the first. A split backward (`I`, `W`)
-//! keeps the weight gradients pending from `I` to `W`. A gradient a rank sends back stays
+//! sum live at once), or keeps them when they are the first. A split backward's `I`
+//! keeps what its `W` reads (`deferred_per_token`; `G_s` when `I` runs it all), and `W`
+//! computes `G_s` beside it, frees it and adds `G_s` in. A gradient a rank sends back stays
 //! its memory until the previous stage's backward has used it (the in-process transport
 //! moves tensors without copying; when is the schedule simulator's). After the last
 //! action every parameter has a gradient (`4·Ψ`), and the step adds at most one of: the
@@ -229,6 +230,7 @@ pub fn estimate_memory<M: Model>(cfg: &TrainConfig<M>) -> Result<Vec<RankEstimat
         };
         StageBytes {
             grads: ELEM * f.params,
+            deferred: bytes(tokens * a.deferred_per_token),
             saved,
             backward: backward
                 + bytes(tokens * injected(s))
@@ -350,18 +352,23 @@ pub fn estimate_memory<M: Model>(cfg: &TrainConfig<M>) -> Result<Vec<RankEstimat
                     // parameters' full gradients; a split backward's wait for `W`.
                     t.grads = t.grads.max(shards + ELEM * resident);
                     if a.op == Op::I {
-                        t.grads += b.grads;
+                        t.grads += b.pending();
                     }
                 }
                 Op::W if segmented => {
                     t.comm = ELEM * segment;
-                    t.observe(0, 0);
+                    t.observe(b.computed_at_w(), 0);
                     t.comm = 0;
-                    t.grads = t.grads.saturating_sub(b.grads);
+                    t.grads = t.grads.saturating_sub(b.pending());
                 }
                 Op::B | Op::I => {
-                    // The backward: its activations, the new gradients, what flows back.
-                    t.observe(b.grads + b.backward, 0);
+                    // The backward: its activations, the new gradients (a split one's
+                    // copies for `W` instead), what flows back.
+                    let new = match a.op {
+                        Op::I => b.pending(),
+                        _ => b.grads,
+                    };
+                    t.observe(new + b.backward, 0);
                     t.acts = t.acts.saturating_sub(b.saved);
                     if s > 0 {
                         let until = consumed.get(&(a.stage - 1, a.microbatch)).copied();
@@ -370,15 +377,31 @@ pub fn estimate_memory<M: Model>(cfg: &TrainConfig<M>) -> Result<Vec<RankEstimat
                     match (a.op, *k) {
                         // Added into the kept sum one tensor at a time.
                         (Op::B, true) => t.observe(b.grads + b.largest, 0),
-                        // The first ones are kept; a split backward's wait for `W`.
-                        _ => t.grads += b.grads,
+                        (Op::B, false) => t.grads += b.grads,
+                        // A split backward's wait for `W`: the gradients, or the copies
+                        // the deferred weight products read.
+                        _ => t.grads += b.pending(),
                     }
                     *k |= a.op == Op::B;
                 }
                 Op::W => {
-                    if *k {
-                        t.observe(b.largest, 0);
-                        t.grads -= b.grads;
+                    match (b.deferred, *k) {
+                        // `I` ran the whole backward: its gradients go into the sum.
+                        (0, true) => {
+                            t.observe(b.largest, 0);
+                            t.grads -= b.grads;
+                        }
+                        (0, false) => {}
+                        // The deferred products' gradients beside the copies they read;
+                        // the copies go, the gradients into the sum (or are kept).
+                        (d, kept) => {
+                            t.observe(b.grads, 0);
+                            t.grads -= d;
+                            match kept {
+                                true => t.observe(b.grads + b.largest, 0),
+                                false => t.grads += b.grads,
+                            }
+                        }
                     }
                     *k = true;
                 }
@@ -419,8 +442,7 @@ pub fn estimate_memory<M: Model>(cfg: &TrainConfig<M>) -> Result<Vec<RankEstimat
                 let shard = b / dp;
                 // The reduce-scatter: the concatenated bucket and the shard it returns.
                 t.observe(ELEM * (b + shard), 0);
-                // Stage 1 keeps the full gradients to the end of the step; stages 2 and
-                // 3 only the shards.
+                // Stage 1 keeps the full gradients to the step's end; 2 and 3 the shards.
                 t.grads = shards + if zero == 1 { ELEM * params } else { 0 };
                 // The clipped copy of the shards.
                 t.observe(if clips { shards } else { 0 }, 0);
@@ -447,10 +469,30 @@ pub fn estimate_memory<M: Model>(cfg: &TrainConfig<M>) -> Result<Vec<RankEstimat
 /// What a backward of one microbatch of a stage adds, in bytes.
 struct StageBytes {
     grads: usize,
+    /// What a split backward's `I` copies for its `W` (0: `I` runs the whole backward).
+    deferred: usize,
     saved: usize,
     backward: usize,
     largest: usize,
     input: usize,
+}
+
+impl StageBytes {
+    /// What waits from a split backward's `I` to its `W` (the module doc).
+    fn pending(&self) -> usize {
+        match self.deferred {
+            0 => self.grads,
+            d => d,
+        }
+    }
+
+    /// What a `W` computes beside what is live: the deferred products' gradients.
+    fn computed_at_w(&self) -> usize {
+        match self.deferred {
+            0 => 0,
+            _ => self.grads,
+        }
+    }
 }
 
 /// Bytes held all step long.

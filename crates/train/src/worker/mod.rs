@@ -67,7 +67,10 @@ impl<S: ModelStage> Stage for Wrapped<'_, S> {
     fn forward_segment(&self, i: usize, x: &Tensor) -> candle_core::Result<Tensor> {
         self.stage.forward_segment(i, x)
     }
-    fn backward_weights(&self, microbatch: u32) -> candle_core::Result<()> {
+    fn split_backward(&self, split: bool) {
+        self.stage.split_backward(split)
+    }
+    fn backward_weights(&self, microbatch: u32) -> candle_core::Result<Vec<(Var, Tensor)>> {
         self.stage.backward_weights(microbatch)
     }
     fn params(&self) -> &[Var] {
