@@ -4,19 +4,22 @@
 //! one untimed step; throughput is in tokens.
 //!
 //! A second group times ZeRO 3 with and without prefetching the gathers, with a
-//! network's latency on every collective ([`Latency`]).
+//! network's latency on every collective ([`Latency`]); a third the data-parallel
+//! all-reduce overlapped with the backward or after it, over a slow link
+//! ([`Latency::wrap_link`]).
 //!
 //! Run: `cargo bench --bench step`. `switchyard bench` times the full reference workload.
 
 #[global_allocator]
 static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, Criterion, Throughput};
 use switchyard::bench::{cases, config, Preset};
 use switchyard::comm::local::Launcher;
-use switchyard::comm::Latency;
+use switchyard::comm::{Communicator, Latency};
 use switchyard::models::GptConfig;
 use switchyard::shard::ParamSource;
 use switchyard::train::data::Corpus;
@@ -30,13 +33,23 @@ fn steps(preset: &Preset, case: &str, iters: u64) -> Duration {
 
 /// `iters` steps of `cfg` after one warm-up step, every collective `latency` late
 /// ([`Latency`]); rank 0's time.
-fn steps_of(mut cfg: TrainConfig<GptConfig>, latency: Duration, iters: u64) -> Duration {
+fn steps_of(cfg: TrainConfig<GptConfig>, latency: Duration, iters: u64) -> Duration {
+    steps_over(cfg, &|world| Latency::wrap(world, latency), iters)
+}
+
+/// `iters` steps of `cfg` after one warm-up step, over the world `link` makes of each
+/// rank's; rank 0's time.
+fn steps_over(
+    mut cfg: TrainConfig<GptConfig>,
+    link: &(dyn Fn(Arc<dyn Communicator>) -> Arc<dyn Communicator> + Sync),
+    iters: u64,
+) -> Duration {
     cfg.steps = iters as usize + 1;
     let corpus = Corpus::bundled();
     let times = Launcher::new(cfg.world_size())
         .threads_per_worker(1)
         .run(|world| -> anyhow::Result<Duration> {
-            let world = Latency::wrap(world, latency);
+            let world = link(world);
             let mut w = Worker::new(world, &cfg, &corpus, ParamSource::Init { seed: cfg.seed })?;
             let _ = w.step(0)?;
             let t = Instant::now();
@@ -85,7 +98,30 @@ fn zero3_prefetch(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, step, zero3_prefetch);
+/// The small preset on 2 replicas over a link of 0.1 ms and 0.25 GB/s (a slow network,
+/// whose transfers cost no core): the gradients all-reduced after the backward, or
+/// block by block during it (`overlap_grad_reduce`). Compare the two as a ratio.
+fn overlap_grad_reduce(c: &mut Criterion) {
+    let p = Preset::named("small").unwrap();
+    let dp2 = cases(&p).into_iter().find(|c| c.name == "dp 2").unwrap();
+    let mut g = c.benchmark_group("overlap");
+    g.sample_size(10);
+    g.throughput(Throughput::Elements(p.tokens_per_step() as u64));
+    let link = |w| Latency::wrap_link(w, Duration::from_micros(100), 0.25e9);
+    for overlap in [false, true] {
+        let cfg = TrainConfig {
+            overlap_grad_reduce: overlap,
+            ..config(&p, &dp2)
+        };
+        let name = format!("small dp 2, 0.25 GB/s link, overlap {overlap}");
+        g.bench_function(name, |b| {
+            b.iter_custom(|iters| steps_over(cfg.clone(), &link, iters))
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(benches, step, zero3_prefetch, overlap_grad_reduce);
 
 /// mimalloc reads `MIMALLOC_PURGE_DELAY` when the process starts; `-1` keeps freed memory
 /// in the process, as `switchyard bench` does, so the timings include no page faults of

@@ -172,6 +172,14 @@ pub struct Case {
     /// What the products multiply in.
     #[serde(default, with = "switchyard_models::precision_serde")]
     pub precision: Precision,
+    /// Data-parallel rows: all-reduce each block's gradients during the backward
+    /// (`overlap_grad_reduce`, the default) or all of them after it.
+    #[serde(default = "yes")]
+    pub overlap_grad_reduce: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 impl Case {
@@ -196,6 +204,7 @@ pub fn cases(p: &Preset) -> Vec<Case> {
         ops: OpsBackend::Fused,
         recompute: Recompute::None,
         precision: Precision::F32,
+        overlap_grad_reduce: true,
     };
     let m = p.microbatches;
     // Interleaved 1F1B needs two model chunks per pipeline rank: 4 layers at pp 2.
@@ -253,6 +262,20 @@ pub fn cases(p: &Preset) -> Vec<Case> {
         },
         case("tp 2", 1, 1, 2, 1, ScheduleKind::OneFOneB, 1),
         case("dp 2", 2, 1, 1, 1, ScheduleKind::OneFOneB, 1),
+        // The gradient all-reduce after the whole backward, against the row above
+        // (issue 17 §3: overlapped, under half of it exposed).
+        Case {
+            overlap_grad_reduce: false,
+            ..case(
+                "dp 2, all-reduce after the backward",
+                2,
+                1,
+                1,
+                1,
+                ScheduleKind::OneFOneB,
+                1,
+            )
+        },
         // Mixed precision (issue 18): bf16 products against the first row and against
         // the pipeline row without it.
         Case {
@@ -300,6 +323,7 @@ pub fn config(p: &Preset, c: &Case) -> TrainConfig<GptConfig> {
         warmup: 0,
         threads_per_worker: c.threads_per_worker,
         recompute: c.recompute,
+        overlap_grad_reduce: c.overlap_grad_reduce,
         ..TrainConfig::default()
     }
 }
@@ -337,6 +361,10 @@ pub struct Row {
     /// The time model's step, before the run (filled in by [`Report::predict`]).
     #[serde(default)]
     pub predicted: Option<StepTime>,
+    /// Data-parallel rows: the gradient all-reduce's milliseconds a step, `(exposed,
+    /// total)`, of the rank that waited longest (medians over the timed steps).
+    #[serde(default)]
+    pub grad_reduce_ms: Option<(f64, f64)>,
 }
 
 impl Row {
@@ -450,6 +478,7 @@ pub fn run_case(p: &Preset, c: &Case) -> Result<Row, BenchError> {
             .reduce(f64::max),
         final_loss: report.final_loss(),
         predicted: None,
+        grad_reduce_ms: report.grad_reduce.map(|g| (g.exposed_ms, g.total_ms)),
     })
 }
 
@@ -525,8 +554,8 @@ impl Report {
             p.steps,
             p.warmup
         );
-        s += "| layout | workers × threads | tokens/s | speed-up | ideal | MFU | bubble measured / predicted | step ms measured / predicted | predicted ÷ measured | peak MiB of a rank measured / predicted (worst rank's error) | resident MiB per worker |\n";
-        s += "|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|\n";
+        s += "| layout | workers × threads | tokens/s | speed-up | ideal | MFU | bubble measured / predicted | step ms measured / predicted | predicted ÷ measured | peak MiB of a rank measured / predicted (worst rank's error) | resident MiB per worker | dp all-reduce ms exposed / total |\n";
+        s += "|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|\n";
         for r in &self.rows {
             let c = &r.case;
             let bubble = match r.bubble_measured.is_empty() {
@@ -551,8 +580,12 @@ impl Report {
                 (Some(m), None) => format!("{m:.1} / –"),
                 _ => "–".into(),
             };
+            let reduce = match r.grad_reduce_ms {
+                Some((exposed, total)) => format!("{exposed:.1} / {total:.1}"),
+                None => "–".into(),
+            };
             s += &format!(
-                "| {} | {} × {} | {:.0} | {} | {:.2}× | {} | {} | {} | {} | {memory} | {} |\n",
+                "| {} | {} × {} | {:.0} | {} | {:.2}× | {} | {} | {} | {} | {memory} | {} | {reduce} |\n",
                 c.name,
                 c.workers(),
                 c.threads_per_worker,

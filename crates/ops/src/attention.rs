@@ -274,10 +274,14 @@ impl Attention {
         let mut y = Uninit::<T>::new(g.b * t * dl)?;
         let mut lse = Uninit::<T>::new(g.b * g.h * t)?;
         let out = SharedMut(y.as_mut_ptr());
-        lse.as_mut().par_chunks_mut(t).enumerate().for_each_init(
-            || vec![T::zero(); scratch_len(g, false)],
-            |scratch, (pair, lse)| forward_pair(qkv, g, pair, scratch, lse, out),
-        );
+        lse.as_mut()
+            .par_chunks_mut(t)
+            .enumerate()
+            .with_min_len(pairs_per_task(g))
+            .for_each_init(
+                || vec![T::zero(); scratch_len(g, false)],
+                |scratch, (pair, lse)| forward_pair(qkv, g, pair, scratch, lse, out),
+            );
         // SAFETY: every pair wrote the log-sum-exp of each of its `t` rows, and its `t`
         // rows × `hd` columns of `y`: together every element of both.
         let (y, lse) = unsafe { (y.assume_init(), lse.assume_init()) };
@@ -307,10 +311,13 @@ impl Attention {
         }
         let mut dx = Uninit::<T>::new(x.len())?;
         let dst = SharedMut(dx.as_mut_ptr());
-        (0..g.b * g.h).into_par_iter().for_each_init(
-            || vec![T::zero(); scratch_len(g, true)],
-            |scratch, pair| backward_pair(x, o, d_o, lse, g, pair, scratch, dst),
-        );
+        (0..g.b * g.h)
+            .into_par_iter()
+            .with_min_len(pairs_per_task(g))
+            .for_each_init(
+                || vec![T::zero(); scratch_len(g, true)],
+                |scratch, pair| backward_pair(x, o, d_o, lse, g, pair, scratch, dst),
+            );
         // SAFETY: every pair wrote its q, k and v columns of each of its `t` rows:
         // together every element of `dx`.
         Ok(unsafe { dx.assume_init() })
@@ -355,6 +362,16 @@ const BLOCK: usize = 16;
 /// `(start, end)` of each block of `t` rows.
 fn blocks(t: usize) -> impl Iterator<Item = (usize, usize)> {
     (0..t.div_ceil(BLOCK)).map(move |i| (i * BLOCK, ((i + 1) * BLOCK).min(t)))
+}
+
+/// The (sequence, head) pairs one task of the pool takes at least: enough for about
+/// [`kernel::PARALLEL_MIN`] multiply-adds (a pair's products are `2·T²·hd`), so that a
+/// small attention runs whole on the calling thread instead of paying for tasks (and
+/// giving other threads of the pool the matrix multiply's packing buffer) for microseconds
+/// of work.
+fn pairs_per_task(g: Geo) -> usize {
+    let per_pair = (2 * g.t * g.t * g.hd).max(1);
+    kernel::PARALLEL_MIN.div_ceil(per_pair).max(1)
 }
 
 /// Scratch of one task: scores (and score gradients, `T × T` each), row sums, and `kᵀ`

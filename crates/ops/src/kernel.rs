@@ -452,4 +452,4 @@ mod matmul;
 mod tests;
 
 pub use matmul::product_path;
-pub(crate) use matmul::{matmul, matmul_raw, Dst, Mat};
+pub(crate) use matmul::{matmul, matmul_raw, Dst, Mat, PARALLEL_MIN};

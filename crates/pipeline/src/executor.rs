@@ -407,9 +407,12 @@ impl<'a> Executor<'a> {
                     let now = a.op == Op::B && self.hooks.is_some();
                     let acc_s = acc.get_mut(&s).expect("stage of this rank");
                     let mut collected: SegmentGrads = Vec::new();
+                    // What the hooks leave of this microbatch's segments, summed before
+                    // it joins the accumulator (see `Hooked::take_grads`).
+                    let mut rest = vec![None; acc_s.len()];
                     let mut sink = |i: usize, pg: Vec<Option<Tensor>>| -> Result<()> {
                         match now {
-                            true => hooked.take_grads(vec![(i, pg)], acc_s),
+                            true => hooked.hand(i, pg, &mut rest),
                             false => {
                                 collected.push((i, pg));
                                 Ok(())
@@ -450,8 +453,9 @@ impl<'a> Executor<'a> {
                     }
                     match a.op {
                         Op::B => {
-                            if !now {
-                                hooked.take_grads(collected, acc_s)?;
+                            match now {
+                                true => segments::add_into(acc_s, rest)?,
+                                false => hooked.take_grads(collected, acc_s)?,
                             }
                             *held.get_mut(&s).expect("stage of this rank") -= 1;
                         }

@@ -71,26 +71,34 @@ impl Hooked<'_> {
         Ok(out)
     }
 
-    /// Hands one segment's gradients to the hook, then to the accumulator.
-    /// Without hooks the segments' gradients are summed first (last segment first, as
-    /// one backward pass would), then added into `acc`.
+    /// Hands one segment's gradients of a microbatch to the hook (if any); what it
+    /// leaves is added into `rest`, the microbatch's sum over its segments so far.
+    pub(crate) fn hand(
+        &self,
+        segment: usize,
+        mut grads: Vec<Option<Tensor>>,
+        rest: &mut [Option<Tensor>],
+    ) -> Result<()> {
+        if let Some(h) = self.hooks {
+            h.grads(self.stage, segment, &mut grads)?;
+        }
+        add_into(rest, grads)
+    }
+
+    /// Hands each segment's gradients to the hook, then to the accumulator: what the
+    /// hook leaves of every segment is summed first (last segment first, as one
+    /// backward pass would), then added into `acc`, with hooks or without, so that a
+    /// parameter several segments use gets the same sums either way.
     pub(crate) fn take_grads(
         &self,
         segments: SegmentGrads,
         acc: &mut [Option<Tensor>],
     ) -> Result<()> {
-        let Some(h) = self.hooks else {
-            let mut pg = vec![None; acc.len()];
-            for (_, new) in segments {
-                add_into(&mut pg, new)?;
-            }
-            return add_into(acc, pg);
-        };
-        for (i, mut pg) in segments {
-            h.grads(self.stage, i, &mut pg)?;
-            add_into(acc, pg)?;
+        let mut rest = vec![None; acc.len()];
+        for (i, pg) in segments {
+            self.hand(i, pg, &mut rest)?;
         }
-        Ok(())
+        add_into(acc, rest)
     }
 }
 

@@ -51,6 +51,7 @@
 //!   export (example `checkpoints`).
 
 pub mod checkpoint;
+mod comm_thread;
 mod config;
 pub mod data;
 mod device;
@@ -74,5 +75,5 @@ pub use device::DeviceSpec;
 pub use error::TrainError;
 pub use report::{peak_rss, Coords, PipelineRankReport, RankMemory, StepRecord, TrainReport};
 pub use trainer::{train, train_rank, Resume, TrainOptions};
-pub use worker::{NonFinite, StepMetrics, Worker};
+pub use worker::{GradReduceStats, GradReducer, NonFinite, ReduceSpan, StepMetrics, Worker};
 pub use zero::Optimizer;

@@ -19,8 +19,11 @@ use switchyard_schedule::{simulate, Action, Costs, Op};
 use crate::worker::{StepMetrics, Worker};
 
 mod pipeline;
+mod reduce;
 use crate::TrainConfig;
 use pipeline::{measured_split_costs, median_bubbles, rank_row, timed, MEANS_WIDTH};
+pub use reduce::GradReduceReport;
+use reduce::{reduce_row, REDUCE_WIDTH};
 use switchyard_models::Model;
 
 /// One step, as reported by rank 0 for the whole job.
@@ -35,6 +38,14 @@ pub struct StepRecord {
     /// The validation loss after this step, on the steps it was measured.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub val_loss: Option<f64>,
+    /// The data-parallel gradient all-reduce of rank 0's group, in milliseconds: the
+    /// part the backward did not hide (from the end of the slowest replica's pipeline),
+    /// and how far apart the replicas' pipelines ended (without replicas, or under ZeRO,
+    /// absent).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub grad_reduce_exposed_ms: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub grad_reduce_imbalance_ms: Option<f64>,
 }
 
 impl StepRecord {
@@ -47,6 +58,14 @@ impl StepRecord {
             tokens_per_s: cfg.tokens_per_step() as f64 / m.seconds,
             seconds: m.seconds,
             val_loss: m.val_loss,
+            grad_reduce_exposed_ms: m
+                .grad_reduce
+                .as_ref()
+                .map(|g| 1e3 * g.exposed.as_secs_f64()),
+            grad_reduce_imbalance_ms: m
+                .grad_reduce
+                .as_ref()
+                .map(|g| 1e3 * g.imbalance.as_secs_f64()),
         }
     }
 }
@@ -107,6 +126,9 @@ pub struct TrainReport {
     /// Median tokens/s over the steps after the first.
     pub tokens_per_s: f64,
     pub pipeline: Vec<PipelineRankReport>,
+    /// With data-parallel replicas (and no ZeRO): the gradient all-reduce of the rank
+    /// that waited longest for it.
+    pub grad_reduce: Option<GradReduceReport>,
     /// Each rank's measured memory; empty when the process does not count allocations
     /// (its global allocator is not `switchyard_mem::Counting`).
     pub memory: Vec<RankMemory>,
@@ -160,6 +182,9 @@ impl TrainReport {
             "throughput: {:.0} tokens/s (median step)\n",
             self.tokens_per_s
         );
+        if let Some(g) = &self.grad_reduce {
+            s += &reduce::line(g, cfg.overlap_grad_reduce);
+        }
         if cfg.pp > 1 {
             s += "pipeline   bubble measured   bubble predicted   peak stashed microbatches (counted / predicted)   per stage\n";
             for p in &self.pipeline {
@@ -288,6 +313,8 @@ pub(crate) fn gather<M: Model>(
     let world = &*worker.mesh.world;
     let v = worker.program().num_stages as usize / cfg.pp;
     let mut row = rank_row(steps, v);
+    let total = reduce::totals(worker, steps)?;
+    row.extend(reduce_row(steps, total));
     row.extend(memory_row());
     let width = row.len();
     let rows = world
@@ -306,7 +333,8 @@ pub(crate) fn gather<M: Model>(
     // A split backward's `I` and `W` cost what the model splits into them (the fused
     // ops defer their weight products to `W`; a model that does not, nothing): predict
     // with the mean `F`, `I` and `W` every rank measured.
-    let means_at = width - MEMORY_WIDTH - MEANS_WIDTH;
+    let reduce_at = width - MEMORY_WIDTH - REDUCE_WIDTH;
+    let means_at = reduce_at - MEANS_WIDTH;
     let costs = match worker.program().has_split_backward() {
         true => measured_split_costs(&rows, width, means_at),
         false => Costs::default(),
@@ -375,6 +403,7 @@ pub(crate) fn gather<M: Model>(
         steps: records,
         tokens_per_s,
         pipeline,
+        grad_reduce: reduce::worst(&rows, width, reduce_at),
         memory,
         world_size: cfg.world_size(),
         interrupted: false,
@@ -401,6 +430,7 @@ fn gather_events<M: Model>(worker: &Worker<M>, steps: &[StepMetrics]) -> Result<
             ]);
         }
     }
+    rows.extend(reduce::trace_rows(me, steps));
     let n = rows.len() / 7;
     let counts = world
         .all_gather(&Tensor::new(&[n as f64], &Device::Cpu)?, 0)?
@@ -418,19 +448,47 @@ fn gather_events<M: Model>(worker: &Worker<M>, steps: &[StepMetrics]) -> Result<
         .collect())
 }
 
-/// A Chrome trace (Perfetto): a track per rank, a slice per action.
+/// A Chrome trace (Perfetto): a track per rank, a slice per action; with
+/// `overlap_grad_reduce`, a second track per rank (`tid` = world size + rank) with its
+/// communication thread's all-reduces.
 fn write_trace<M>(cfg: &TrainConfig<M>, path: &Path, events: Vec<[f64; 7]>) -> Result<()> {
     let mesh = cfg.mesh();
-    let mut out: Vec<serde_json::Value> = (0..cfg.world_size())
+    let world = cfg.world_size();
+    let track = |tid: usize, name: String| {
+        serde_json::json!({
+            "name": "thread_name", "ph": "M", "pid": 0, "tid": tid, "args": { "name": name }
+        })
+    };
+    let mut out: Vec<serde_json::Value> = (0..world)
         .map(|r| {
             let c = mesh.coord(r);
-            serde_json::json!({
-                "name": "thread_name", "ph": "M", "pid": 0, "tid": r,
-                "args": { "name": format!("rank {r} (pp {}, dp {}, tp {})", c.pp, c.dp, c.tp) }
-            })
+            track(
+                r,
+                format!("rank {r} (pp {}, dp {}, tp {})", c.pp, c.dp, c.tp),
+            )
         })
         .collect();
+    let mut comm_tracks = std::collections::BTreeSet::new();
     for e in events {
+        let rank = e[0] as usize;
+        if e[3] == reduce::ALL_REDUCE_OP {
+            if comm_tracks.insert(rank) {
+                out.push(track(
+                    world + rank,
+                    format!("rank {rank} gradient all-reduce"),
+                ));
+            }
+            let name = match e[4] {
+                k if k >= 0.0 => format!("all-reduce bucket {}", k as usize),
+                _ => "all-reduce after the backward".to_string(),
+            };
+            out.push(serde_json::json!({
+                "name": name, "cat": "all-reduce",
+                "ph": "X", "ts": e[5], "dur": e[6], "pid": 0, "tid": world + rank,
+                "args": { "step": e[1] as usize }
+            }));
+            continue;
+        }
         let op = Op::ALL[e[3] as usize];
         let a = Action::new(e[2] as u32, op, e[4] as u32);
         out.push(serde_json::json!({

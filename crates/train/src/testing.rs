@@ -84,8 +84,7 @@ pub fn parallel_step<M: Model>(
         .threads_per_worker(1)
         .run(|world| {
             let w = Worker::new(world, cfg, data, ParamSource::Init { seed: cfg.seed })?;
-            let (mut grads, losses, _) = w.compute_grads(step)?;
-            w.sync_grads(&mut grads)?;
+            let (grads, losses, _) = w.synced_grads(step)?;
             let full = w.full_grads(&grads)?;
             Ok::<_, TrainError>((w.mesh.coord, full, losses))
         })?;

@@ -94,6 +94,18 @@ fn with_zero(cfg: &TrainConfig<GptConfig>, zero: u8) -> TrainConfig<GptConfig> {
     }
 }
 
+/// `cfg` without ZeRO, all-reducing the gradients over the rank's `dp` group in
+/// `bucket_mib` buckets after the backward: the traffic ZeRO's is compared with
+/// (overlapped, the all-reduces go block by block over the communication thread's own
+/// group: tests/overlap.rs counts those).
+fn all_reduce_after_backward(cfg: &TrainConfig<GptConfig>) -> TrainConfig<GptConfig> {
+    TrainConfig {
+        zero: 0,
+        overlap_grad_reduce: false,
+        ..cfg.clone()
+    }
+}
+
 /// 20 steps of `cfg` with ZeRO 1, 2 and 3 against `--zero 0`.
 ///
 /// Stage 1 sums each gradient in the same order as `--zero 0` (the microbatches on each
@@ -290,7 +302,7 @@ fn zero_moves_the_bytes_of_the_all_reduce() {
         let mut c = tiny(dp, pp, tp, "1f1b");
         c.bucket_mib = bucket_mib;
         let steps = 2;
-        let base = dp_traffic(&with_zero(&c, 0), steps);
+        let base = dp_traffic(&all_reduce_after_backward(&c), steps);
         // Stage 1: the buckets of stage 0, reduce-scattered and gathered once a step.
         let zero = 1;
         let got = dp_traffic(&with_zero(&c, zero), steps);
@@ -350,7 +362,7 @@ fn zero_two_and_three_scatter_every_microbatch_and_three_gathers_every_use() {
         c.recompute = recompute;
         c.model.tied_embeddings = true;
         let (steps, m) = (2, c.microbatches);
-        let base = dp_traffic(&with_zero(&c, 0), steps);
+        let base = dp_traffic(&all_reduce_after_backward(&c), steps);
         for (zero, prefetch) in [(2, false), (3, false), (3, true)] {
             let mut z = with_zero(&c, zero);
             z.zero_prefetch = prefetch;

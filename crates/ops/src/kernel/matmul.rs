@@ -43,7 +43,7 @@ impl<'a, T> Mat<'a, T> {
 const SMALL_MAX: usize = 1 << 19;
 
 /// Products below this many multiply-adds run on one thread.
-const PARALLEL_MIN: usize = 1 << 21;
+pub(crate) const PARALLEL_MIN: usize = 1 << 21;
 
 /// Whether the fused ops compute an f32 product of `mnk` multiply-adds through the
 /// `gemm` crate on this CPU (which keeps an L2-sized packing buffer on each thread that

@@ -63,7 +63,9 @@ pub struct TrainConfig<M> {
     pub grad_clip: f64,
     /// Initial weights (with no `--init`) and, when `shuffle`, the data order.
     pub seed: u64,
-    /// Data-parallel gradient all-reduce bucket size, in MiB.
+    /// Data-parallel gradient all-reduce bucket size, in MiB, for what is all-reduced
+    /// after the backward (everything without `overlap_grad_reduce`), and ZeRO 1's
+    /// reduce-scatters.
     pub bucket_mib: f64,
     /// ZeRO stage over the data-parallel replicas ([`crate::zero`]): 0 (off: every
     /// replica all-reduces the gradients and keeps all of AdamW's moments), 1 (each
@@ -78,6 +80,14 @@ pub struct TrainConfig<M> {
     /// ([`crate::zero::Prefetcher`]). Costs one segment's parameters (and this
     /// replica's shard of them) of communication buffer.
     pub zero_prefetch: bool,
+    /// Without ZeRO and with `dp > 1`: all-reduce each segment's gradients (one bucket
+    /// per transformer block) on a communication thread as soon as the last
+    /// microbatch's backward has made them final, while the backward of the segments
+    /// before it still runs (`true`, the default; PyTorch DDP's and Megatron's
+    /// `overlap_grad_reduce`), or all of them after the pipeline, `bucket_mib` at a time
+    /// (`false`). The sums are the same either way. Absent in configurations and
+    /// manifests written before it existed (`true`).
+    pub overlap_grad_reduce: bool,
     /// Bound on any single blocking communication, in seconds.
     pub comm_timeout_secs: f64,
     /// Compute threads per worker (0 = share the cores out).
@@ -142,6 +152,7 @@ impl<M> TrainConfig<M> {
             bucket_mib: 25.0,
             zero: 0,
             zero_prefetch: true,
+            overlap_grad_reduce: true,
             comm_timeout_secs: 300.0,
             threads_per_worker: 0,
             shuffle: true,

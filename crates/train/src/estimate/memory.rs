@@ -410,23 +410,25 @@ pub fn estimate_memory<M: Model>(cfg: &TrainConfig<M>) -> Result<Vec<RankEstimat
         }
         // Every parameter has a gradient after the pipeline's step (under ZeRO 2 and 3
         // a shard, and the resident parameters' whole ones).
-        t.grads = match segmented {
-            true => shards + ELEM * resident,
-            false => ELEM * params,
+        t.grads = if segmented {
+            shards + ELEM * resident
+        } else {
+            ELEM * params
         };
         t.in_flight = 0;
-        // Between the pipeline and the update nothing is gathered.
-        t.extra = [0; 6];
+        t.extra = [0; 6]; // Between the pipeline and the update nothing is gathered.
         let bucket = (cfg.bucket_mib * 1024.0 * 1024.0) as usize;
         let clips = cfg.grad_clip > 0.0;
         match cfg.zero {
             0 => {
-                let all_reduce = match cfg.dp > 1 {
-                    true => 2 * bucket.min(ELEM * params),
-                    false => 0,
+                // A bucket flattened and its sum (overlapped: a block's, or the resident
+                // parameters' after the pipeline).
+                let all_reduce = match (cfg.dp > 1, cfg.overlap_grad_reduce) {
+                    (false, _) => 0,
+                    (true, true) => (2 * bucket.min(ELEM * resident)).max(2 * ELEM * segment),
+                    (true, false) => 2 * bucket.min(ELEM * params),
                 };
-                let clip = if clips { ELEM * params } else { 0 };
-                t.observe(all_reduce.max(clip), 0);
+                t.observe(all_reduce.max(if clips { ELEM * params } else { 0 }), 0);
                 t.observe(0, 2 * ELEM * 2 * largest);
             }
             zero => {
@@ -567,34 +569,4 @@ impl Timeline {
 }
 
 #[cfg(test)]
-mod tests {
-    use switchyard_models::GptConfig;
-
-    use super::*;
-
-    fn gpt() -> TrainConfig<GptConfig> {
-        TrainConfig {
-            model: GptConfig::tiny(4),
-            seq_len: 16,
-            batch: 8,
-            threads_per_worker: 1,
-            ..TrainConfig::default()
-        }
-    }
-
-    #[test]
-    fn the_first_stage_of_one_f_one_b_holds_the_most_and_gpipe_more() {
-        let c = gpt();
-        let r = estimate_memory(&c).unwrap();
-        assert_eq!(r.len(), c.pp);
-        assert!(r[0].at_peak[Category::Activations as usize] > r[1].at_peak[3]);
-        let mut g = c.clone();
-        g.schedule = "gpipe".parse().unwrap();
-        let rg = estimate_memory(&g).unwrap();
-        assert!(rg[0].at_peak[3] > r[0].at_peak[3]);
-        // Parameters and optimizer state do not depend on the schedule.
-        assert_eq!(rg[0].at_peak[0], r[0].at_peak[0]);
-        assert_eq!(rg[0].at_peak[2], r[0].at_peak[2]);
-        assert_eq!(r[0].at_peak.iter().sum::<usize>(), r[0].peak_bytes);
-    }
-}
+mod tests;

@@ -56,7 +56,11 @@
 //!   its makespan `M` contains the compute, the tensor-parallel all-reduces, the messages
 //!   and the bubble (the idle fraction it reports).
 //! * **After the pipeline**, on the slowest rank: the data-parallel gradient all-reduce in
-//!   `⌈4 · N_r / bucket⌉` buckets, `Σ A_dp(bucket)`; the optimizer (AdamW, the gradient
+//!   `⌈4 · N_r / bucket⌉` buckets, `Σ A_dp(bucket)` (with `overlap_grad_reduce`, the
+//!   default, only what the backward does not hide: the rank's `L_r` blocks are a bucket
+//!   each, all-reduced during the last microbatch's backward `B_r`, so
+//!   `A_dp(x) + max(0, (L_r − 1) · A_dp(x) − (L_r − 1)/L_r · B_r)` with `x` a block's
+//!   bytes, plus the tied parameters' `Σ A_dp(bucket)` after it); the optimizer (AdamW, the gradient
 //!   norm and the clipping), `N_r · a + K_r · a_t` with `a` measured per parameter and
 //!   `a_t` per parameter tensor; and the world's all-gather of the losses, one `α_c`.
 //!   `N_r` and `K_r`, a rank's parameters and parameter tensors, are the model's
@@ -277,6 +281,20 @@ pub fn predict_step_time<M: Model>(
         .iter()
         .map(|(_, s)| s.iter().product::<usize>() as f64)
         .sum::<f64>();
+    // The tied parameters (a token table shared with the head, on one stage or two) are
+    // all-reduced after the backward even with `overlap_grad_reduce`, whole on each rank
+    // that holds a copy.
+    let tied_names: Vec<String> = m
+        .tied(cfg.num_stages().max(2))
+        .into_iter()
+        .map(|t| t.name)
+        .collect();
+    let tied_params = shapes
+        .iter()
+        .filter(|(n, _)| tied_names.contains(n))
+        .map(|(_, s)| s.iter().product::<usize>() as f64)
+        .sum::<f64>()
+        / cfg.tp as f64;
     // ZeRO's collectives over the data-parallel replicas: a reduce-scatter or an
     // all-gather of `bytes` in `calls` pieces is half a ring all-reduce, each piece
     // paying the latency.
@@ -378,20 +396,57 @@ pub fn predict_step_time<M: Model>(
             )
         })
         .collect();
+    // Per pipeline rank, for `overlap_grad_reduce`: its transformer blocks (one bucket
+    // each) and the backward of its last microbatch, behind which their all-reduces hide.
+    let overlap: Vec<(f64, f64, bool)> = (0..program.num_ranks() as u32)
+        .map(|r| {
+            let mine = program.stages_of_rank(r);
+            let blocks = mine
+                .iter()
+                .map(|&s| plans[s as usize].blocks.len())
+                .sum::<usize>();
+            let window = mine.iter().map(|&s| stage_costs[s as usize].b).sum::<f64>();
+            let tied = mine
+                .iter()
+                .any(|&s| plans[s as usize].embed || plans[s as usize].head);
+            (blocks.max(1) as f64, window, tied)
+        })
+        .collect();
     let busiest = (0..ranks.len())
         .max_by(|&a, &b| timeline.ranks[a].busy.total_cmp(&timeline.ranks[b].busy))
         .unwrap_or(0);
     let bucket = (cfg.bucket_mib * 1024.0 * 1024.0).max(4.0);
-    let after = |n: f64, k: f64| {
+    let after = |n: f64, k: f64, (blocks, window, tied): (f64, f64, bool)| {
         let bytes = 4.0 * n;
         // Each bucket pays the latency; together they move the bytes once. ZeRO 2
         // all-gathers the updated parameters after the pipeline (its reduce-scatters ran
         // inside it), stage 3 nothing.
         let latency = dp_link.all_reduce(0.0, cfg.dp);
-        let buckets = (bytes / bucket).ceil().max(1.0);
+        let buckets = |bytes: f64| (bytes / bucket).ceil().max(1.0);
+        let after_backward =
+            |bytes: f64| buckets(bytes) * latency + (dp_link.all_reduce(bytes, cfg.dp) - latency);
         let dp = match cfg.zero {
-            0 | 1 => buckets * latency + (dp_link.all_reduce(bytes, cfg.dp) - latency),
-            2 => half(bytes, buckets),
+            // One bucket per block during the last microbatch's backward: what the rest
+            // of that backward does not cover shows, and the first block's (final last)
+            // and the tied parameters' all-reduces show whole.
+            0 if cfg.overlap_grad_reduce && cfg.dp > 1 => {
+                let resident = match tied {
+                    true => (4.0 * tied_params).min(bytes),
+                    false => 0.0,
+                };
+                let block = dp_link.all_reduce((bytes - resident) / blocks, cfg.dp);
+                let hidden = (blocks - 1.0) / blocks * window;
+                let late = ((blocks - 1.0) * block - hidden).max(0.0);
+                block
+                    + late
+                    + if resident > 0.0 {
+                        after_backward(resident)
+                    } else {
+                        0.0
+                    }
+            }
+            0 | 1 => after_backward(bytes),
+            2 => half(bytes, buckets(bytes)),
             _ => 0.0,
         };
         (
@@ -401,7 +456,8 @@ pub fn predict_step_time<M: Model>(
     };
     let slowest = ranks
         .iter()
-        .map(|r| after(r.2, r.3))
+        .zip(&overlap)
+        .map(|(r, &o)| after(r.2, r.3, o))
         .max_by(|a, b| (a.0 + a.1).total_cmp(&(b.0 + b.1)))
         .unwrap_or((0.0, 0.0));
     let gather = if cfg.world_size() > 1 {

@@ -1,11 +1,14 @@
 //! How a [`Worker`] sums gradients over the replicas and tied copies, and gathers ZeRO 3's
 //! parameters whole for whatever reads them outside a step.
 
-use candle_core::Tensor;
+use std::time::Instant;
+
+use candle_core::{Shape, Tensor};
 use switchyard_comm::ReduceOp;
 use switchyard_mem::Category;
 use switchyard_models::Model;
 
+use super::overlap::{GradReduceStats, ReduceSpan, Reduced};
 use super::Worker;
 use crate::error::{Context, Result};
 use crate::zero::{self, Optimizer, ShardedAdamW};
@@ -45,12 +48,48 @@ impl<M: Model> Worker<'_, M> {
     /// Sums the tied copies' gradients and averages over data-parallel replicas (with an
     /// all-reduce, whatever `--zero` says: the full gradients, for parity tests).
     pub fn sync_grads(&self, grads: &mut [Option<Tensor>]) -> Result<()> {
-        self.sync_tied(grads, true)?;
-        if self.cfg.dp > 1 {
-            let _gradients = switchyard_mem::scope(Category::Gradients);
-            self.all_reduce_buckets(grads)?;
+        self.sync_grads_after(grads, None).map(drop)
+    }
+
+    /// [`Worker::sync_grads`] after a pipeline whose hooks already all-reduced some
+    /// buckets (`reduced`, [`super::overlap`]): those gradients are written in, and only
+    /// the rest (the resident parameters) is all-reduced. Returns what the data-parallel
+    /// all-reduce cost this step (`None` without replicas).
+    pub(super) fn sync_grads_after(
+        &self,
+        grads: &mut [Option<Tensor>],
+        reduced: Option<Reduced>,
+    ) -> Result<Option<GradReduceStats>> {
+        let since = |t: Instant| t.saturating_duration_since(self.epoch).as_secs_f64() * 1e6;
+        let mut done = vec![false; grads.len()];
+        let mut stats = GradReduceStats {
+            pipeline_end_us: since(Instant::now()),
+            ..GradReduceStats::default()
+        };
+        if let Some(r) = reduced {
+            for (i, g) in r.grads {
+                grads[i] = Some(g);
+                done[i] = true;
+            }
+            stats = r.stats;
         }
-        Ok(())
+        self.sync_tied(grads, true)?;
+        if self.cfg.dp == 1 {
+            return Ok(None);
+        }
+        let _gradients = switchyard_mem::scope(Category::Gradients);
+        let rest: Vec<usize> = (0..grads.len()).filter(|&i| !done[i]).collect();
+        if !rest.is_empty() {
+            let t0 = Instant::now();
+            self.all_reduce_buckets(grads, &rest)?;
+            stats.spans.push(ReduceSpan {
+                bucket: None,
+                start_us: since(t0),
+                dur_us: t0.elapsed().as_secs_f64() * 1e6,
+            });
+            stats.done_us = since(Instant::now());
+        }
+        Ok(Some(stats))
     }
 
     /// Gives every parameter (with `fill_all`; else the tied ones) a gradient (zeros
@@ -69,38 +108,49 @@ impl<M: Model> Worker<'_, M> {
         Ok(())
     }
 
-    /// Data-parallel all-reduce, a bucket of about `bucket_mib` at a time.
-    fn all_reduce_buckets(&self, grads: &mut [Option<Tensor>]) -> Result<()> {
-        let sizes: Vec<usize> = grads
+    /// Data-parallel all-reduce of the gradients of parameters `which`, a bucket of
+    /// about `bucket_mib` at a time.
+    fn all_reduce_buckets(&self, grads: &mut [Option<Tensor>], which: &[usize]) -> Result<()> {
+        let sizes: Vec<usize> = which
             .iter()
-            .map(|g| g.as_ref().map_or(0, |g| g.elem_count()))
+            .map(|&i| grads[i].as_ref().map_or(0, |g| g.elem_count()))
             .collect();
         for bucket in zero::buckets(&sizes, self.cfg.bucket_mib) {
-            let (start, end) = (bucket.start, bucket.end);
-            let flat: Vec<Tensor> = grads[start..end]
+            let idx = &which[bucket];
+            let parts: Vec<Tensor> = idx
                 .iter()
-                .map(|g| g.as_ref().unwrap().flatten_all())
-                .collect::<candle_core::Result<_>>()?;
-            let summed = self
-                .mesh
-                .dp
-                .all_reduce(&Tensor::cat(&flat, 0)?, ReduceOp::Sum)?;
-            let mut off = 0;
-            for g in &mut grads[start..end] {
-                let t = g.as_ref().unwrap();
-                let n = t.elem_count();
-                // A copy of its own: the in-process backend hands every rank one shared
-                // sum, which would otherwise stay on the ledger of the rank that made it
-                // (and be counted there) until the slowest replica's optimizer is done.
-                *g = Some(
-                    summed
-                        .narrow(0, off, n)?
-                        .reshape(t.shape())?
-                        .force_contiguous()?,
-                );
-                off += n;
+                .map(|&i| grads[i].clone().expect("filled by sync_tied"))
+                .collect();
+            let summed = self.mesh.dp.all_reduce(&flatten(&parts)?, ReduceOp::Sum)?;
+            let shapes: Vec<&Shape> = parts.iter().map(|t| t.shape()).collect();
+            for (&i, g) in idx.iter().zip(unflatten(&summed, &shapes)?) {
+                grads[i] = Some(g);
             }
         }
         Ok(())
     }
+}
+
+/// Gradients as one flat tensor, in order (a bucket for a collective).
+pub(super) fn flatten(parts: &[Tensor]) -> candle_core::Result<Tensor> {
+    let flat: Vec<Tensor> = parts
+        .iter()
+        .map(|g| g.flatten_all())
+        .collect::<candle_core::Result<_>>()?;
+    Tensor::cat(&flat, 0)
+}
+
+/// [`flatten`] undone: the tensors of `shapes`, in order, each a copy of its own.
+pub(super) fn unflatten(flat: &Tensor, shapes: &[&Shape]) -> candle_core::Result<Vec<Tensor>> {
+    let mut off = 0;
+    let mut out = Vec::with_capacity(shapes.len());
+    for s in shapes {
+        let n = s.elem_count();
+        // A copy of its own: the in-process backend hands every rank one shared sum,
+        // which would otherwise stay on the ledger of the rank that made it (and be
+        // counted there) until the slowest replica's optimizer is done.
+        out.push(flat.narrow(0, off, n)?.reshape(*s)?.force_contiguous()?);
+        off += n;
+    }
+    Ok(out)
 }

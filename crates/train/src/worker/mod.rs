@@ -44,8 +44,37 @@ use crate::zero::{self, Optimizer, Prefetcher, ShardedAdamW, Units, ZeroHooks};
 use crate::{Recompute, TrainConfig};
 
 mod grads;
+mod overlap;
 mod state;
 mod validation;
+
+pub use overlap::{GradReduceStats, GradReducer, ReduceSpan};
+use overlap::{ReduceHooks, Reduced};
+
+/// Which hooks a pipeline pass runs with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Hooks {
+    /// None: the gradients come back whole, not summed over anything.
+    Plain,
+    /// ZeRO 2 and 3: each segment's bucket reduce-scattered as its backward ends.
+    Zero,
+    /// `overlap_grad_reduce`: each segment's bucket all-reduced on the communication
+    /// thread once the last microbatch made it final.
+    Overlap,
+}
+
+/// What one pipeline pass of a step produced on this rank.
+struct Pass {
+    /// Per parameter, this rank's gradient (`None` where the hooks took it).
+    grads: Vec<Option<Tensor>>,
+    /// The losses of the microbatches that ended here.
+    losses: Vec<f64>,
+    stats: StepStats,
+    /// ZeRO 2 and 3: this replica's summed shard of every bucket.
+    shards: Option<Vec<Tensor>>,
+    /// `overlap_grad_reduce`: the buckets already summed over the replicas.
+    reduced: Option<Reduced>,
+}
 
 /// A model's stage as the executor sees it: its own parameters and the tied ones it
 /// uses without having created them.
@@ -111,6 +140,9 @@ pub struct StepMetrics {
     pub exec: StepStats,
     /// The validation loss after this step, when it was measured.
     pub val_loss: Option<f64>,
+    /// The data-parallel gradient all-reduce of this step (`None` without replicas, or
+    /// under ZeRO).
+    pub grad_reduce: Option<GradReduceStats>,
 }
 
 /// The error of a step that found a non-finite loss or gradient.
@@ -145,6 +177,9 @@ pub struct Worker<'a, M: Model> {
     units: Option<Units>,
     /// ZeRO 3 with `zero_prefetch`: the thread that gathers the next segment ahead.
     prefetcher: Option<Prefetcher>,
+    /// `overlap_grad_reduce` (without ZeRO, `dp > 1`): the buckets of the segments and
+    /// the thread that all-reduces them during the backward.
+    overlap: Option<(Units, GradReducer)>,
     pub opt: Optimizer,
     pub schedule: LrSchedule,
     data: &'a dyn Dataset,
@@ -247,14 +282,19 @@ impl<'a, M: Model> Worker<'a, M> {
         }
         drop(category);
         let sizes: Vec<usize> = params.iter().map(|p| p.var.elem_count()).collect();
-        let units = (cfg.zero >= 2).then(|| {
+        let cut = || {
             let refs: Vec<(u32, &dyn Stage)> = stages
                 .iter()
                 .map(|(s, st)| (*s, st as &dyn Stage))
                 .collect();
             let pinned: Vec<usize> = tied.iter().map(|(i, _)| *i).collect();
             Units::new(&refs, &index, &sizes, &pinned, cfg.bucket_mib)
-        });
+        };
+        let units = (cfg.zero >= 2).then(cut);
+        let overlap = match cfg.zero == 0 && cfg.dp > 1 && cfg.overlap_grad_reduce {
+            true => Some((cut(), GradReducer::new(&*mesh.dp)?)),
+            false => None,
+        };
         let mut opt = {
             let _optimizer = switchyard_mem::scope(Category::Optimizer);
             let vars: Vec<Var> = params.iter().map(|p| p.var.clone()).collect();
@@ -298,6 +338,7 @@ impl<'a, M: Model> Worker<'a, M> {
             tied,
             units,
             prefetcher,
+            overlap,
             opt,
             schedule,
             data,
@@ -339,25 +380,29 @@ impl<'a, M: Model> Worker<'a, M> {
     /// parameters are gathered whole for it (for parity tests: a step reduce-scatters
     /// segment by segment instead).
     pub fn compute_grads(&self, step: usize) -> Result<(Vec<Option<Tensor>>, Vec<f64>, StepStats)> {
-        let (grads, losses, stats, _) = self.gathered(|| self.run_pipeline(step, false))?;
-        Ok((grads, losses, stats))
+        let pass = self.gathered(|| self.run_pipeline(step, Hooks::Plain))?;
+        Ok((pass.grads, pass.losses, pass.stats))
     }
 
-    /// [`Worker::compute_grads`]; with `segmented` (ZeRO 2 and 3) through the ZeRO
-    /// hooks: the gradients of the segments' buckets come back as this replica's
-    /// summed shards (the last value, one per bucket), the resident parameters' in the
-    /// first.
-    #[allow(clippy::type_complexity)]
-    fn run_pipeline(
-        &self,
-        step: usize,
-        segmented: bool,
-    ) -> Result<(
-        Vec<Option<Tensor>>,
-        Vec<f64>,
-        StepStats,
-        Option<Vec<Tensor>>,
-    )> {
+    /// [`Worker::compute_grads`] then [`Worker::sync_grads`], the way a step does it:
+    /// with `overlap_grad_reduce` the segments' buckets are all-reduced during the
+    /// backward. Collective over the world.
+    pub fn synced_grads(&self, step: usize) -> Result<(Vec<Option<Tensor>>, Vec<f64>, StepStats)> {
+        if self.overlap.is_none() {
+            let (mut grads, losses, stats) = self.compute_grads(step)?;
+            self.sync_grads(&mut grads)?;
+            return Ok((grads, losses, stats));
+        }
+        let mut pass = self.run_pipeline(step, Hooks::Overlap)?;
+        self.sync_grads_after(&mut pass.grads, pass.reduced)?;
+        Ok((pass.grads, pass.losses, pass.stats))
+    }
+
+    /// [`Worker::compute_grads`] with `hooks`: under [`Hooks::Zero`] the gradients of
+    /// the segments' buckets come back as this replica's summed shards, under
+    /// [`Hooks::Overlap`] summed over the replicas; the resident parameters' in
+    /// [`Pass::grads`] in both.
+    fn run_pipeline(&self, step: usize, hooks: Hooks) -> Result<Pass> {
         let c = &self.cfg;
         let (m, mbs) = (c.microbatches, c.microbatch_size());
         let per_replica = c.batch / c.dp;
@@ -396,8 +441,8 @@ impl<'a, M: Model> Worker<'a, M> {
             .zip(&wrapped)
             .map(|((s, _), w)| (*s, w as &dyn Stage))
             .collect();
-        let hooks = match (segmented, &self.units, &self.opt) {
-            (true, Some(units), Optimizer::Sharded(o)) => Some(ZeroHooks::new(
+        let zero_hooks = match (hooks, &self.units, &self.opt) {
+            (Hooks::Zero, Some(units), Optimizer::Sharded(o)) => Some(ZeroHooks::new(
                 units,
                 o,
                 &*self.mesh.dp,
@@ -407,10 +452,24 @@ impl<'a, M: Model> Worker<'a, M> {
             )?),
             _ => None,
         };
+        let reduce_hooks = match (hooks, &self.overlap) {
+            (Hooks::Overlap, Some((units, reducer))) => Some(ReduceHooks::new(
+                reducer,
+                units,
+                &self.params,
+                &refs,
+                &self.index,
+                m,
+            )),
+            _ => None,
+        };
         let mut exec = Executor::with_checked(&self.program, &*self.mesh.pp, refs)?
             .with_epoch(self.epoch)
             .with_recompute(self.cfg.recompute == Recompute::Full);
-        if let Some(h) = &hooks {
+        if let Some(h) = &zero_hooks {
+            exec = exec.with_hooks(h);
+        }
+        if let Some(h) = &reduce_hooks {
             exec = exec.with_hooks(h);
         }
         let microbatches = Microbatches {
@@ -419,7 +478,7 @@ impl<'a, M: Model> Worker<'a, M> {
             loss_scale: 1.0 / (m * c.dp) as f64,
         };
         // ZeRO 3: the resident parameters stay whole for the step.
-        let out = match (&hooks, &self.units, &self.opt) {
+        let out = match (&zero_hooks, &self.units, &self.opt) {
             (Some(_), Some(units), Optimizer::Sharded(o)) if o.held.is_some() => {
                 self.with_buckets(o, &units.resident, || Ok(exec.run(&microbatches)?))?
             }
@@ -438,20 +497,54 @@ impl<'a, M: Model> Worker<'a, M> {
             }
         }
         let losses = out.losses.into_iter().map(|(_, l)| l).collect();
-        let shards = hooks.map(ZeroHooks::into_shards).transpose()?;
-        Ok((grads, losses, out.stats, shards))
+        let shards = zero_hooks.map(ZeroHooks::into_shards).transpose()?;
+        let reduced = reduce_hooks.map(|h| h.finish(self.epoch)).transpose()?;
+        Ok(Pass {
+            grads,
+            losses,
+            stats: out.stats,
+            shards,
+            reduced,
+        })
+    }
+
+    /// Fills in `g`'s exposed communication and imbalance from the rows of every rank
+    /// (`[.., pipeline end, all-reduces done]`) of this rank's data-parallel group.
+    fn group_times(&self, g: &mut GradReduceStats, rows: &[&[f64]]) {
+        let mesh = self.cfg.mesh();
+        let me = self.mesh.coord;
+        let group: Vec<(f64, f64)> = rows
+            .iter()
+            .enumerate()
+            .filter(|&(r, _)| {
+                let c = mesh.coord(r);
+                (c.pp, c.tp) == (me.pp, me.tp)
+            })
+            .map(|(_, x)| (x[x.len() - 2], x[x.len() - 1]))
+            .collect();
+        let max = |f: &dyn Fn(&(f64, f64)) -> f64| group.iter().map(f).fold(f64::MIN, f64::max);
+        let min_end = group.iter().map(|x| x.0).fold(f64::MAX, f64::min);
+        let us = |x: f64| std::time::Duration::from_secs_f64(x.max(0.0) / 1e6);
+        g.exposed = us(max(&|x| x.1) - max(&|x| x.0));
+        g.imbalance = us(max(&|x| x.0) - min_end);
     }
 
     /// One full training step (see the module docs). Collective over the world.
     pub fn step(&mut self, step: usize) -> Result<std::result::Result<StepMetrics, NonFinite>> {
         let t0 = Instant::now();
-        let (mut grads, losses, exec, segment_shards) =
-            self.run_pipeline(step, self.units.is_some())?;
+        let hooks = match (&self.units, &self.overlap) {
+            (Some(_), _) => Hooks::Zero,
+            (None, Some(_)) => Hooks::Overlap,
+            (None, None) => Hooks::Plain,
+        };
+        let pass = self.run_pipeline(step, hooks)?;
+        let (mut grads, losses, exec) = (pass.grads, pass.losses, pass.stats);
         // ZeRO: this replica's shard of every bucket, summed over the replicas.
         let mut shards = None;
+        let mut grad_reduce = None;
         let (sq_owned, bad_grad) = match &self.opt {
             Optimizer::Full(_) => {
-                self.sync_grads(&mut grads)?;
+                grad_reduce = self.sync_grads_after(&mut grads, pass.reduced)?;
                 let mut sq_owned = 0.0;
                 let mut bad_grad = None;
                 for ((g, p), owned) in grads.iter().zip(&self.params).zip(&self.owned) {
@@ -468,7 +561,7 @@ impl<'a, M: Model> Worker<'a, M> {
             Optimizer::Sharded(o) => {
                 // Stage 1 reduce-scatters every bucket now; stages 2 and 3 did their
                 // segments' during the backward, and do the resident ones now.
-                let (which, mut s) = match (&self.units, segment_shards) {
+                let (which, mut s) = match (&self.units, pass.shards) {
                     (Some(u), Some(s)) => (u.resident.clone(), s),
                     _ => ((0..o.layout.buckets.len()).collect(), Vec::new()),
                 };
@@ -515,13 +608,18 @@ impl<'a, M: Model> Worker<'a, M> {
             if sq_owned.is_finite() { sq_owned } else { 0.0 },
             f64::from(u8::from(bad_loss)),
             f64::from(u8::from(bad_grad.is_some())),
+            grad_reduce.as_ref().map_or(-1.0, |g| g.pipeline_end_us),
+            grad_reduce.as_ref().map_or(-1.0, |g| g.done_us),
         ];
         let all = self
             .mesh
             .world
             .all_gather(&Tensor::new(&mine, &Device::Cpu)?, 0)?
             .to_vec1::<f64>()?;
-        let rows: Vec<&[f64]> = all.chunks(5).collect();
+        let rows: Vec<&[f64]> = all.chunks(mine.len()).collect();
+        if let Some(g) = grad_reduce.as_mut() {
+            self.group_times(g, &rows);
+        }
         // A loss goes bad in the forward pass, before any gradient: report it first.
         let bad_loss_rank = rows.iter().position(|x| x[3] != 0.0);
         if let Some(r) = bad_loss_rank.or_else(|| rows.iter().position(|x| x[4] != 0.0)) {
@@ -586,6 +684,7 @@ impl<'a, M: Model> Worker<'a, M> {
             seconds: t0.elapsed().as_secs_f64(),
             exec,
             val_loss: None,
+            grad_reduce,
         }))
     }
 }

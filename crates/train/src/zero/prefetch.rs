@@ -20,31 +20,19 @@
 //!   for it. A worker that ends with a gather in flight (another rank failed) leaves
 //!   the thread to finish on its own: the failure that ended the worker ends the gather.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
+use std::sync::Mutex;
 
 use candle_core::Tensor;
-use crossbeam_channel::{bounded, unbounded, Receiver, Sender};
+use crossbeam_channel::{bounded, Receiver};
 use switchyard_comm::Communicator;
-use switchyard_mem::Category;
 
 use super::ShardedAdamW;
+use crate::comm_thread::CommThread;
 use crate::error::{Context, IntoTrainError, Result};
-
-/// A gather for the thread: bucket `k`'s shard, and where to send the result.
-struct Job {
-    shard: Tensor,
-    done: Sender<std::result::Result<Tensor, switchyard_comm::CommError>>,
-}
 
 /// The communication thread of one rank and the order of the buckets it gathers.
 pub struct Prefetcher {
-    /// This rank's global rank, for errors.
-    rank: usize,
-    jobs: Option<Sender<Job>>,
-    thread: Option<JoinHandle<()>>,
-    in_flight: Arc<AtomicUsize>,
+    thread: CommThread,
     /// The buckets the last step gathered, in order (empty before the first step).
     order: Mutex<Vec<usize>>,
 }
@@ -53,32 +41,8 @@ impl Prefetcher {
     /// Splits `dp` for the thread and starts it; its allocations are charged to this
     /// thread's ledger. Collective over `dp`.
     pub fn new(dp: &dyn Communicator) -> Result<Prefetcher> {
-        let comm = dp
-            .split_named(0, dp.rank(), "prefetch")
-            .context("ZeRO 3: the prefetch thread's data-parallel group")?;
-        let (jobs, rx) = unbounded::<Job>();
-        let ledger = switchyard_mem::current_ledger();
-        let in_flight = Arc::new(AtomicUsize::new(0));
-        let count = in_flight.clone();
-        let thread = std::thread::Builder::new()
-            .name("switchyard-prefetch".into())
-            .spawn(move || {
-                let _ledger = ledger.map(|l| l.enter());
-                let _comm = switchyard_mem::scope(Category::Comm);
-                for job in rx {
-                    let full = comm.all_gather(&job.shard, 0);
-                    drop(job.shard);
-                    // The acquire that waited may be gone (its rank failed).
-                    let _ = job.done.send(full);
-                    count.fetch_sub(1, Ordering::AcqRel);
-                }
-            })
-            .context("ZeRO 3: starting the prefetch thread")?;
         Ok(Prefetcher {
-            rank: dp.members()[dp.rank()],
-            jobs: Some(jobs),
-            thread: Some(thread),
-            in_flight,
+            thread: CommThread::new(dp, "prefetch", "ZeRO 3: the prefetch thread")?,
             order: Mutex::new(Vec::new()),
         })
     }
@@ -86,17 +50,17 @@ impl Prefetcher {
     /// Starts all-gathering `shard` (bucket `k`'s).
     fn start(&self, k: usize, shard: Tensor) -> Result<Pending> {
         let (done, rx) = bounded(1);
-        self.in_flight.fetch_add(1, Ordering::AcqRel);
-        let jobs = self.jobs.as_ref().expect("open until dropped");
-        if jobs.send(Job { shard, done }).is_err() {
-            self.in_flight.fetch_sub(1, Ordering::AcqRel);
-            return Err(ended(self.rank, k));
+        let rank = self.thread.rank;
+        let gather = move |comm: &dyn Communicator| {
+            let full = comm.all_gather(&shard, 0);
+            drop(shard);
+            // The acquire that waited may be gone (its rank failed).
+            let _ = done.send(full);
+        };
+        if !self.thread.run(Box::new(gather)) {
+            return Err(ended(rank, k));
         }
-        Ok(Pending {
-            k,
-            rank: self.rank,
-            rx,
-        })
+        Ok(Pending { k, rank, rx })
     }
 
     /// The state of one step: the order recorded by the last one.
@@ -113,19 +77,6 @@ impl Prefetcher {
             s.start(opt, k)?;
         }
         Ok(s)
-    }
-}
-
-impl Drop for Prefetcher {
-    fn drop(&mut self) {
-        // Closing the channel ends the thread's loop once it is idle; with a gather in
-        // flight (a failed step) it is left to end when that gather fails.
-        drop(self.jobs.take());
-        if let Some(t) = self.thread.take() {
-            if self.in_flight.load(Ordering::Acquire) == 0 {
-                let _ = t.join();
-            }
-        }
     }
 }
 

@@ -137,9 +137,56 @@ fn a_pipeline_bubble_is_the_simulators() {
     assert!(s.p2p_s > 0.0);
 }
 
+/// [`cfg`] with the data-parallel all-reduce after the backward.
+fn after_backward(dp: usize, pp: usize, tp: usize) -> TrainConfig<GptConfig> {
+    TrainConfig {
+        overlap_grad_reduce: false,
+        ..cfg(dp, pp, tp)
+    }
+}
+
+#[test]
+fn overlap_hides_all_but_the_first_block_and_the_tied_table() {
+    for tied in [false, true] {
+        let mut c = cfg(2, 1, 1);
+        c.model.tied_embeddings = tied;
+        let mut whole = c.clone();
+        whole.overlap_grad_reduce = false;
+        // A fast link: 0.1 ms and 10 GB/s.
+        let tm = TimeModel {
+            collective: AlphaBeta {
+                alpha_s: 1e-4,
+                bytes_per_s: 1e10,
+            },
+            ..tm()
+        };
+        let s = predict_step_time(&c, &tm).unwrap();
+        let whole = predict_step_time(&whole, &tm).unwrap();
+        // tiny(4): 4 blocks, whose all-reduces (under 0.2 ms each) the backward of the
+        // last microbatch (about 4 ms) covers but the first's: what shows is one block's
+        // all-reduce, and the tied token table's after the backward.
+        let m = &c.model;
+        let bytes = 4.0 * m.param_count() as f64;
+        let table = match tied {
+            true => 4.0 * (m.vocab_size * m.d_model) as f64,
+            false => 0.0,
+        };
+        let mut want = 1e-4 + (bytes - table) / 4.0 / 1e10;
+        if tied {
+            want += 1e-4 + table / 1e10;
+        }
+        assert!((s.dp_allreduce_s - want).abs() < 1e-12, "{s:?} {want}");
+        // Untied, a quarter of the bytes show; tied, the table's all-reduce pays a
+        // second latency, which on this small model outweighs what the overlap hides.
+        assert_eq!(s.dp_allreduce_s < whole.dp_allreduce_s, !tied);
+        let saved = whole.dp_allreduce_s - s.dp_allreduce_s;
+        assert!((whole.seconds - s.seconds - saved).abs() < 1e-9, "{tied}");
+    }
+}
+
 #[test]
 fn data_parallel_adds_the_gradient_all_reduce() {
-    let s = predict_step_time(&cfg(2, 1, 1), &tm()).unwrap();
+    let s = predict_step_time(&after_backward(2, 1, 1), &tm()).unwrap();
     let one = predict_step_time(&cfg(1, 1, 1), &tm()).unwrap();
     let bytes = 4.0 * GptConfig::tiny(4).param_count() as f64;
     let want = 1e-3 + bytes / 1e9;
@@ -153,7 +200,7 @@ fn data_parallel_adds_the_gradient_all_reduce() {
     };
     let shapes = Model::param_shapes(&GptConfig::tiny(4)).unwrap();
     let want = bytes / 4.0 * 1e-9 + shapes.len() as f64 * 1e-6;
-    let s = predict_step_time(&cfg(2, 1, 1), &tm).unwrap();
+    let s = predict_step_time(&after_backward(2, 1, 1), &tm).unwrap();
     assert!((s.optimizer_s - want).abs() < 1e-12, "{s:?} {want}");
 }
 
