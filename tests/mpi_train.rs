@@ -160,10 +160,11 @@ fn mpi_matches_the_in_process_backend() {
 }
 
 /// ZeRO's reduce-scatters and all-gathers (stage 2 with recomputation's segments, stage 3
-/// gathering every segment's parameters) under MPI train what they train on threads.
+/// gathering every segment's parameters), and without ZeRO the all-reduce overlapped with
+/// the backward on a communication thread, under MPI train what they train on threads.
 #[test]
 fn zero_and_recomputation_under_mpi_match_the_in_process_backend() {
-    for (zero, recompute) in [("2", "full"), ("3", "none")] {
+    for (zero, recompute) in [("2", "full"), ("3", "none"), ("0", "selective")] {
         let d = scratch(&format!("savers-{zero}"));
         let (m, l) = (d.join("mpi.jsonl"), d.join("local.jsonl"));
         let flags = |metrics: &Path| -> Vec<String> {

@@ -51,9 +51,12 @@ impl Latency {
         })
     }
 
-    /// Sleeps the latency and the transfer of `t` (none for `None`).
-    fn wait(&self, t: Option<&Tensor>) {
-        let bytes = t.map_or(0, |t| t.elem_count() * t.dtype().size_in_bytes());
+    /// Sleeps the latency and the transfer of `ts`' bytes.
+    fn wait(&self, ts: &[&Tensor]) {
+        let bytes: usize = ts
+            .iter()
+            .map(|t| t.elem_count() * t.dtype().size_in_bytes())
+            .sum();
         let transfer = match self.bytes_per_s {
             Some(b) if b > 0.0 => Duration::from_secs_f64(bytes as f64 / b),
             _ => Duration::ZERO,
@@ -85,27 +88,27 @@ impl Communicator for Latency {
         self.inner.recv(src, tag)
     }
     fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
-        self.wait(Some(t));
+        self.wait(&[t]);
         self.inner.all_reduce(t, op)
     }
     fn all_gather(&self, t: &Tensor, dim: usize) -> Result<Tensor> {
-        self.wait(Some(t));
+        self.wait(&[t]);
         self.inner.all_gather(t, dim)
     }
     fn reduce_scatter(&self, t: &Tensor, dim: usize, op: ReduceOp) -> Result<Tensor> {
-        self.wait(Some(t));
+        self.wait(&[t]);
         self.inner.reduce_scatter(t, dim, op)
     }
     fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor> {
-        self.wait(Some(t));
+        self.wait(&[t]);
         self.inner.broadcast(t, root)
     }
     fn all_to_all(&self, parts: Vec<Tensor>) -> Result<Vec<Tensor>> {
-        self.wait(parts.first());
+        self.wait(&parts.iter().collect::<Vec<_>>());
         self.inner.all_to_all(parts)
     }
     fn barrier(&self) -> Result<()> {
-        self.wait(None);
+        self.wait(&[]);
         self.inner.barrier()
     }
     fn split_named(&self, color: usize, key: usize, name: &str) -> Result<Arc<dyn Communicator>> {

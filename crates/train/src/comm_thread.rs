@@ -4,8 +4,10 @@
 //! collective needs). ZeRO 3's prefetch ([`crate::zero::Prefetcher`]) and the overlapped
 //! gradient all-reduce ([`crate::GradReducer`]) each own one.
 //!
-//! - **Jobs.** A job is a closure given the thread's communicator; it sends its result
-//!   wherever its caller waits. The thread runs them in order.
+//! - **Jobs.** A job is a closure given the thread's communicator; it returns a
+//!   [`Deliver`], which sends its result wherever its caller waits. The thread runs them
+//!   in order, and counts a job done before it delivers, so that a caller that got every
+//!   result finds the thread idle.
 //! - **Memory.** The thread charges the ledger of the rank that made it, as
 //!   communication buffers.
 //! - **No hangs.** Dropped with a job in flight (its rank failed), the thread is left to
@@ -21,8 +23,12 @@ use switchyard_mem::Category;
 
 use crate::error::{Context, Result};
 
-/// What the thread runs: a collective over its communicator.
-pub(crate) type Job = Box<dyn FnOnce(&dyn Communicator) + Send>;
+/// What the thread runs: a collective over its communicator, returning how to hand its
+/// result over.
+pub(crate) type Job = Box<dyn FnOnce(&dyn Communicator) -> Deliver + Send>;
+
+/// A job's last part: sends its result to whoever waits for it.
+pub(crate) type Deliver = Box<dyn FnOnce() + Send>;
 
 /// One rank's communication thread.
 pub(crate) struct CommThread {
@@ -50,8 +56,9 @@ impl CommThread {
                 let _ledger = ledger.map(|l| l.enter());
                 let _comm = switchyard_mem::scope(Category::Comm);
                 for job in rx {
-                    job(&*comm);
+                    let deliver = job(&*comm);
                     count.fetch_sub(1, Ordering::AcqRel);
+                    deliver();
                 }
             })
             .with_context(|| format!("{what}: starting it"))?;

@@ -448,9 +448,9 @@ fn gather_events<M: Model>(worker: &Worker<M>, steps: &[StepMetrics]) -> Result<
         .collect())
 }
 
-/// A Chrome trace (Perfetto): a track per rank, a slice per action; with
-/// `overlap_grad_reduce`, a second track per rank (`tid` = world size + rank) with its
-/// communication thread's all-reduces.
+/// A Chrome trace (Perfetto): a track per rank, a slice per action; with data-parallel
+/// replicas, a second track per rank (`tid` = world size + rank) with its gradient
+/// all-reduces (the communication thread's during the backward, and the one after it).
 fn write_trace<M>(cfg: &TrainConfig<M>, path: &Path, events: Vec<[f64; 7]>) -> Result<()> {
     let mesh = cfg.mesh();
     let world = cfg.world_size();

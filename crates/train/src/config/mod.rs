@@ -64,8 +64,8 @@ pub struct TrainConfig<M> {
     /// Initial weights (with no `--init`) and, when `shuffle`, the data order.
     pub seed: u64,
     /// Data-parallel gradient all-reduce bucket size, in MiB, for what is all-reduced
-    /// after the backward (everything without `overlap_grad_reduce`), and ZeRO 1's
-    /// reduce-scatters.
+    /// after the backward (everything without `overlap_grad_reduce`), ZeRO 1's
+    /// reduce-scatters and ZeRO 2 and 3's of the resident parameters.
     pub bucket_mib: f64,
     /// ZeRO stage over the data-parallel replicas ([`crate::zero`]): 0 (off: every
     /// replica all-reduces the gradients and keeps all of AdamW's moments), 1 (each
@@ -185,6 +185,13 @@ impl<M> TrainConfig<M> {
     /// Sequences per microbatch.
     pub fn microbatch_size(&self) -> usize {
         self.batch / self.dp.saturating_mul(self.microbatches).max(1)
+    }
+
+    /// Whether the data-parallel all-reduce runs during the backward: `overlap_grad_reduce`
+    /// without ZeRO and with replicas. The executor then runs every stage segment by
+    /// segment, for its hooks.
+    pub fn overlaps_grad_reduce(&self) -> bool {
+        self.overlap_grad_reduce && self.zero == 0 && self.dp > 1
     }
 
     pub fn tokens_per_step(&self) -> usize {

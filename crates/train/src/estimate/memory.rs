@@ -423,7 +423,7 @@ pub fn estimate_memory<M: Model>(cfg: &TrainConfig<M>) -> Result<Vec<RankEstimat
             0 => {
                 // A bucket flattened and its sum (overlapped: a block's, or the resident
                 // parameters' after the pipeline).
-                let all_reduce = match (cfg.dp > 1, cfg.overlap_grad_reduce) {
+                let all_reduce = match (cfg.dp > 1, cfg.overlaps_grad_reduce()) {
                     (false, _) => 0,
                     (true, true) => (2 * bucket.min(ELEM * resident)).max(2 * ELEM * segment),
                     (true, false) => 2 * bucket.min(ELEM * params),

@@ -429,7 +429,7 @@ pub fn predict_step_time<M: Model>(
             // One bucket per block during the last microbatch's backward: what the rest
             // of that backward does not cover shows, and the first block's (final last)
             // and the tied parameters' all-reduces show whole.
-            0 if cfg.overlap_grad_reduce && cfg.dp > 1 => {
+            0 if cfg.overlaps_grad_reduce() => {
                 let resident = match tied {
                     true => (4.0 * tied_params).min(bytes),
                     false => 0.0,

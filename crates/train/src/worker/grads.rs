@@ -10,7 +10,7 @@ use switchyard_models::Model;
 
 use super::overlap::{GradReduceStats, ReduceSpan, Reduced};
 use super::Worker;
-use crate::error::{Context, Result};
+use crate::error::{fail, Context, Result};
 use crate::zero::{self, Optimizer, ShardedAdamW};
 
 impl<M: Model> Worker<'_, M> {
@@ -68,6 +68,18 @@ impl<M: Model> Worker<'_, M> {
         };
         if let Some(r) = reduced {
             for (i, g) in r.grads {
+                // The hooks took every gradient of a bucket's parameters: one that
+                // reached the executor's sum anyway (a segment that uses a parameter
+                // without listing it) would be lost here.
+                if grads[i].is_some() {
+                    fail!(
+                        Config,
+                        "overlap_grad_reduce: {} has a gradient outside the segment that \
+                         owns it (Stage::segment_params must list every segment's \
+                         parameters)",
+                        self.params[i].name
+                    );
+                }
                 grads[i] = Some(g);
                 done[i] = true;
             }

@@ -291,7 +291,7 @@ impl<'a, M: Model> Worker<'a, M> {
             Units::new(&refs, &index, &sizes, &pinned, cfg.bucket_mib)
         };
         let units = (cfg.zero >= 2).then(cut);
-        let overlap = match cfg.zero == 0 && cfg.dp > 1 && cfg.overlap_grad_reduce {
+        let overlap = match cfg.overlaps_grad_reduce() {
             true => Some((cut(), GradReducer::new(&*mesh.dp)?)),
             false => None,
         };

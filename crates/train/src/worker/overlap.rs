@@ -19,7 +19,9 @@
 //!   backward did not hide ([`GradReduceStats::exposed`]) runs from the moment the last
 //!   replica of the group ended its pipeline to the moment the last one's all-reduces
 //!   were done (the step works it out from every rank's times, which it all-gathers
-//!   anyway). The trace shows the all-reduces on a track of the rank's own.
+//!   anyway; under MPI the processes' clocks agree as well as the barrier that starts
+//!   training aligned them, to a fraction of a millisecond). The trace shows the
+//!   all-reduces on a track of the rank's own.
 //! - **Same sums.** Each element is the same sum over the replicas as without overlap (a
 //!   bucket's composition changes nothing element-wise), and the segmented backward runs
 //!   the same kernels on the same values: the gradients are bit-identical (tested), but
@@ -42,14 +44,15 @@ use switchyard_pipeline::{SegmentHooks, Stage};
 
 use switchyard_shard::Param;
 
-use crate::comm_thread::CommThread;
+use crate::comm_thread::{CommThread, Deliver};
 use crate::error::{fail, Context, IntoTrainError, Result};
 use crate::zero::Units;
 
-/// A bucket's sum over the replicas, and when the thread worked on it.
+/// A bucket's sum over the replicas, cut back into its parameters' gradients, and when
+/// the thread worked on it.
 struct Done {
     k: usize,
-    sum: std::result::Result<Tensor, CommError>,
+    grads: Result<Vec<Tensor>>,
     start: Instant,
     end: Instant,
 }
@@ -68,32 +71,49 @@ impl GradReducer {
         })
     }
 
-    fn start(&self, k: usize, flat: Tensor, done: Sender<Done>) -> Result<()> {
-        let reduce = move |comm: &dyn Communicator| {
+    /// Starts all-reducing bucket `k`, flattened, whose parameters have `shapes`.
+    fn start(&self, k: usize, flat: Tensor, shapes: Vec<Shape>, done: Sender<Done>) -> Result<()> {
+        let reduce = move |comm: &dyn Communicator| -> Deliver {
             let start = Instant::now();
             let sum = comm.all_reduce(&flat, ReduceOp::Sum);
             drop(flat);
             let end = Instant::now();
+            // The rank's own gradients, right away: the in-process backend hands every
+            // replica one shared sum, which must not wait on one replica's ledger.
+            let grads = sum.map_err(crate::TrainError::from).and_then(|sum| {
+                let _gradients = switchyard_mem::scope(Category::Gradients);
+                let shapes: Vec<&Shape> = shapes.iter().collect();
+                Ok(super::grads::unflatten(&sum, &shapes)?)
+            });
+            let d = Done {
+                k,
+                grads,
+                start,
+                end,
+            };
             // The step that waited may be gone (its rank failed).
-            let _ = done.send(Done { k, sum, start, end });
+            Box::new(move || drop(done.send(d)))
         };
         match self.thread.run(Box::new(reduce)) {
             true => Ok(()),
-            false => Err(ended(self.thread.rank, k)),
+            false => Err(ended(self.thread.rank, Some(k))),
         }
     }
 }
 
-/// The thread is gone (it panicked): the sum of bucket `k` will not come.
-fn ended(rank: usize, k: usize) -> crate::TrainError {
+/// The thread is gone (it panicked): the sum of bucket `k` (of a bucket, `None`) will
+/// not come.
+fn ended(rank: usize, k: Option<usize>) -> crate::TrainError {
     let e = CommError::Backend {
         op: "all_reduce",
         rank,
         reason: "the gradient all-reduce thread has ended".into(),
     };
-    crate::TrainError::from(e).into_train_error(format!(
-        "the data-parallel gradient all-reduce of bucket {k}"
-    ))
+    let what = match k {
+        Some(k) => format!("the data-parallel gradient all-reduce of bucket {k}"),
+        None => "the data-parallel gradient all-reduce".to_string(),
+    };
+    crate::TrainError::from(e).into_train_error(what)
 }
 
 /// One data-parallel gradient all-reduce of a step, for the trace.
@@ -208,8 +228,8 @@ impl<'w> ReduceHooks<'w> {
             let d = self
                 .results
                 .recv()
-                .map_err(|_| ended(self.reducer.thread.rank, usize::MAX))?;
-            let sum = d.sum.with_context(|| {
+                .map_err(|_| ended(self.reducer.thread.rank, None))?;
+            let sums = d.grads.with_context(|| {
                 let seg = self.units.bucket_of.iter().find(|(_, &k)| k == d.k);
                 let (stage, segment) = seg.map(|(s, _)| *s).unwrap_or_default();
                 format!(
@@ -218,14 +238,7 @@ impl<'w> ReduceHooks<'w> {
                     d.k
                 )
             })?;
-            let group = &self.units.groups[d.k];
-            let shapes: Vec<&Shape> = group.iter().map(|&p| self.params[p].var.shape()).collect();
-            grads.extend(
-                group
-                    .iter()
-                    .copied()
-                    .zip(super::grads::unflatten(&sum, &shapes)?),
-            );
+            grads.extend(self.units.groups[d.k].iter().copied().zip(sums));
             stats.spans.push(ReduceSpan {
                 bucket: Some(d.k),
                 start_us: since(d.start),
@@ -283,11 +296,12 @@ impl SegmentHooks for ReduceHooks<'_> {
             };
             parts.push(g);
         }
+        let shapes = parts.iter().map(|t| t.shape().clone()).collect();
         let flat = super::grads::flatten(&parts)?;
         drop(parts);
         sums.sent += 1;
         self.reducer
-            .start(k, flat, self.done.clone())
+            .start(k, flat, shapes, self.done.clone())
             .map_err(|e| candle_core::Error::Msg(format!("{e:#}")))
     }
 }

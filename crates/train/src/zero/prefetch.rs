@@ -27,7 +27,7 @@ use crossbeam_channel::{bounded, Receiver};
 use switchyard_comm::Communicator;
 
 use super::ShardedAdamW;
-use crate::comm_thread::CommThread;
+use crate::comm_thread::{CommThread, Deliver};
 use crate::error::{Context, IntoTrainError, Result};
 
 /// The communication thread of one rank and the order of the buckets it gathers.
@@ -51,11 +51,11 @@ impl Prefetcher {
     fn start(&self, k: usize, shard: Tensor) -> Result<Pending> {
         let (done, rx) = bounded(1);
         let rank = self.thread.rank;
-        let gather = move |comm: &dyn Communicator| {
+        let gather = move |comm: &dyn Communicator| -> Deliver {
             let full = comm.all_gather(&shard, 0);
             drop(shard);
             // The acquire that waited may be gone (its rank failed).
-            let _ = done.send(full);
+            Box::new(move || drop(done.send(full)))
         };
         if !self.thread.run(Box::new(gather)) {
             return Err(ended(rank, k));
