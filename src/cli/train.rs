@@ -167,6 +167,11 @@ pub struct TrainArgs {
     /// input and runs forward again before its backward)
     #[arg(long, value_name = "none|selective|full")]
     pub recompute: Option<switchyard_train::Recompute>,
+    /// Sequence parallelism (with --tp > 1): LayerNorms and the residual stream run on
+    /// seq-len / tp positions per tensor-parallel rank; each block's all-reduces become
+    /// an all-gather and a reduce-scatter (needs --seq-len divisible by --tp)
+    #[arg(long)]
+    pub sequence_parallel: bool,
     /// Bound on any blocking communication, in seconds
     #[arg(long)]
     pub comm_timeout: Option<f64>,
@@ -291,6 +296,9 @@ pub fn resolve(
     }
     if a.no_shuffle {
         c.shuffle = false;
+    }
+    if a.sequence_parallel {
+        c.sequence_parallel = true;
     }
     let resume = match (a.resume, a.resume_from) {
         (_, Some(s)) => Some(Resume::Step(s)),

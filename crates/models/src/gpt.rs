@@ -13,7 +13,7 @@
 use candle_core::{DType, Module, Result, Tensor, Var};
 use switchyard_shard::{
     vocab_parallel_cross_entropy_with, ColumnParallelLinear, Init, LayerInit, OpsBackend,
-    ParallelMlp, ParallelSelfAttention, ParamStore, Precision, ShardSpec, TpGroup,
+    ParallelMlp, ParallelSelfAttention, ParamStore, Precision, SequenceSplit, ShardSpec, TpGroup,
     VocabParallelEmbedding,
 };
 
@@ -33,20 +33,25 @@ struct LayerNorm {
     weight: Var,
     bias: Var,
     ops: OpsBackend,
+    /// Under sequence parallelism the LayerNorm sees this rank's positions, and its
+    /// parameters' gradients are summed over the group ([`SequenceSplit::param`]).
+    seq: SequenceSplit,
 }
 
 impl LayerNorm {
-    fn new(vb: &switchyard_shard::Builder, d: usize) -> Result<LayerNorm> {
+    fn new(vb: &switchyard_shard::Builder, d: usize, seq: &SequenceSplit) -> Result<LayerNorm> {
         Ok(LayerNorm {
             weight: vb.param("weight", &[d], ShardSpec::Replicated, Init::Ones)?,
             bias: vb.param("bias", &[d], ShardSpec::Replicated, Init::Zeros)?,
             ops: vb.ops(),
+            seq: seq.clone(),
         })
     }
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        self.ops
-            .layer_norm(x, self.weight.as_tensor(), self.bias.as_tensor(), LN_EPS)
+        let w = self.seq.param(self.weight.as_tensor())?;
+        let b = self.seq.param(self.bias.as_tensor())?;
+        self.ops.layer_norm(x, &w, &b, LN_EPS)
     }
 }
 
@@ -59,6 +64,10 @@ struct Block {
     /// (`Precision::Bf16` on the fused backend), so that the block frees the tensors
     /// only they and the residual sums read (see [`Block::forward`]).
     frees: bool,
+    /// Under sequence parallelism the sub-layers gather their input again in the
+    /// backward from the LayerNorms' outputs (this rank's positions), which must stay;
+    /// the sub-layers free the gathered copies themselves.
+    sequence_parallel: bool,
 }
 
 impl Block {
@@ -72,15 +81,24 @@ impl Block {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let h = self.ln_1.forward(x)?;
         let a = self.attn.forward(&h)?;
-        self.free(&h)?;
+        self.free_input(&h)?;
         let x = (x + &a)?;
         self.free(&a)?;
         let h = self.ln_2.forward(&x)?;
         let m = self.mlp.forward(&h)?;
-        self.free(&h)?;
+        self.free_input(&h)?;
         let y = (&x + &m)?;
         self.free(&m)?;
         Ok(y)
+    }
+
+    /// Frees a sub-layer's input (a LayerNorm's output), unless the sub-layer gathers
+    /// it again in the backward.
+    fn free_input(&self, t: &Tensor) -> Result<()> {
+        match self.sequence_parallel {
+            true => Ok(()),
+            false => self.free(t),
+        }
     }
 
     fn free(&self, t: &Tensor) -> Result<()> {
@@ -119,6 +137,9 @@ pub struct GptStage {
     blocks: Vec<Block>,
     head: Option<Head>,
     tp: TpGroup,
+    /// Sequence parallelism: the embeddings' output is split along the sequence, and the
+    /// blocks and the final LayerNorm run on this rank's positions.
+    seq: SequenceSplit,
     vocab_size: usize,
     ops: OpsBackend,
     params: Vec<Var>,
@@ -148,6 +169,7 @@ impl GptStage {
             .with_ops(cfg.ops)
             .with_precision(cfg.precision);
         let first_param = store.len();
+        let seq = SequenceSplit::new(&vb, tp.clone());
         let d = cfg.d_model;
         let init = LayerInit {
             weight: Init::Normal { std: INIT_STD },
@@ -188,11 +210,12 @@ impl GptStage {
                 let vb = vb.pp(format!("transformer.h.{i}"));
                 let from = store.len();
                 let block = Block {
-                    ln_1: LayerNorm::new(&vb.pp("ln_1"), d)?,
+                    ln_1: LayerNorm::new(&vb.pp("ln_1"), d, &seq)?,
                     attn: ParallelSelfAttention::new(&vb, tp.clone(), d, cfg.n_head, init)?,
-                    ln_2: LayerNorm::new(&vb.pp("ln_2"), d)?,
+                    ln_2: LayerNorm::new(&vb.pp("ln_2"), d, &seq)?,
                     mlp: ParallelMlp::new(&vb, tp.clone(), d, 4 * d, init)?,
                     frees: cfg.precision == Precision::Bf16 && cfg.ops == OpsBackend::Fused,
+                    sequence_parallel: seq.is_on(),
                 };
                 block_vars.push(store.vars()[from..].to_vec());
                 Ok(block)
@@ -202,7 +225,7 @@ impl GptStage {
         let head = match plan.head {
             false => None,
             true => {
-                let ln_f = LayerNorm::new(&vb.pp("transformer.ln_f"), d)?;
+                let ln_f = LayerNorm::new(&vb.pp("transformer.ln_f"), d, &seq)?;
                 let lm_head = match (cfg.tied_embeddings, &embed) {
                     (true, Some(e)) => e
                         .wte
@@ -247,6 +270,7 @@ impl GptStage {
             blocks,
             head,
             tp,
+            seq,
             vocab_size: cfg.vocab_size,
             ops: cfg.ops,
             params,
@@ -417,6 +441,11 @@ impl Model for GptConfig {
         Ok(())
     }
 
+    /// Its LayerNorms and residual stream split over the tensor-parallel group.
+    fn sequence_parallel(&self) -> bool {
+        true
+    }
+
     fn width(&self) -> Option<usize> {
         Some(self.d_model)
     }
@@ -432,8 +461,9 @@ impl Model for GptConfig {
         plan: &StagePlan,
         tp: usize,
         seq_len: usize,
+        sequence_parallel: bool,
     ) -> std::result::Result<Footprint, ModelError> {
-        crate::gpt_footprint::footprint(self, plan, tp, seq_len)
+        crate::gpt_footprint::footprint(self, plan, tp, seq_len, sequence_parallel)
     }
 
     /// The token table, on the first and the last stage, when the head is tied and they
@@ -536,7 +566,8 @@ impl GptStage {
                 let t = x.dim(1)?;
                 let tok = e.wte.forward(x)?;
                 let pos = e.wpe.as_tensor().narrow(0, 0, t)?;
-                tok.broadcast_add(&pos)?
+                // Sequence parallelism: this rank's positions from here to the LM head.
+                self.seq.split(&tok.broadcast_add(&pos)?)?
             }
             None => x.clone(),
         })

@@ -21,6 +21,16 @@
 //! `4·d` more for the collectives' hooks when split) and one `T × T` mask per
 //! microbatch; the head keeps the logits, shifted and exponentiated. Measured against
 //! `switchyard-mem` in `switchyard-train`'s `tests/estimate.rs`.
+//!
+//! Under sequence parallelism (fused ops) what every rank held whole is this rank's
+//! positions, `/tp`: a block saves `6·d/tp` (the LayerNorms' outputs, which the pairs
+//! gather again in the backward, the biased sub-layer outputs and the residual sums; at
+//! bf16 the sub-layer outputs are freed and the LayerNorms' outputs stay f32), a stage
+//! receives `d/tp`, the embeddings save `d/tp` more (the split) and the head keeps
+//! the gathered `d` beside the LayerNorm's `d/tp`. The backward holds `5·d` more a
+//! token of one microbatch: whole-sequence gradients and the input gathered again
+//! (fitted), and the pairs' fused weights leave the row-parallel bias out (the step's
+//! packed weights are `7·d²/tp`: `c_proj`'s are the weights themselves).
 
 use switchyard_shard::OpsBackend;
 
@@ -34,6 +44,7 @@ pub(crate) fn footprint(
     plan: &StagePlan,
     tp: usize,
     seq_len: usize,
+    sequence_parallel: bool,
 ) -> Result<Footprint, ModelError> {
     GptConfig::validate(cfg)?;
     let (d, layers) = (cfg.d_model, plan.blocks.len());
@@ -101,7 +112,10 @@ pub(crate) fn footprint(
             f.tied.push((WTE.into(), rows * d));
         }
     }
-    f.step_cache = layers * 12 * d * d / tp;
+    // `[w | b]` copies; under sequence parallelism `c_proj` has no bias column and is
+    // used as it is.
+    let seq_fused = sequence_parallel && tp > 1 && cfg.ops == OpsBackend::Fused;
+    f.step_cache = layers * if seq_fused { 7 } else { 12 } * d * d / tp;
     let split = tp > 1;
     let rows = rows as f64;
     let (d, l, h) = (d as f64, layers as f64, (cfg.n_head / tp) as f64);
@@ -110,7 +124,11 @@ pub(crate) fn footprint(
     // the MLP's pre-activation and GELU output, their inputs) is bf16 at bf16
     // precision: half an f32 element each. The residual sums stay f32.
     let kept = cfg.precision.saved_bytes() as f64 / 4.0;
+    // Sequence parallelism divides the replicated parts (fused ops; the composed twin
+    // keeps the gathered inputs).
+    let seq = sequence_parallel && split && cfg.ops == OpsBackend::Fused;
     let (block, per_microbatch, block_tensors, ln_f) = match cfg.ops {
+        OpsBackend::Fused if seq => (12.0 * d / a * kept + 6.0 * d / a + h, 0, 32, d / a + d),
         // At bf16 the block frees the LayerNorms' outputs (the pairs keep them as bf16)
         // and the pairs' outputs (the residual adds need no values): the two residual
         // sums stay f32.
@@ -129,7 +147,7 @@ pub(crate) fn footprint(
     let embed = match (plan.embed, split) {
         (false, _) => 0.0,
         (true, false) => 2.0 * d,
-        (true, true) => 3.0 * d,
+        (true, true) => 3.0 * d + if seq { d / a } else { 0.0 },
     };
     let head = match plan.head {
         false => 0.0,
@@ -161,6 +179,11 @@ pub(crate) fn footprint(
                 5.0 * d
                     + if plan.head { rows } else { 0.0 }
                     + if kept < 1.0 { 4.0 * d / a } else { 0.0 }
+                    // Sequence parallelism: a sub-layer's gathered output gradient, its
+                    // input gathered again and its whole input gradient before the
+                    // reduce-scatter, the reduce-scatter input that waits to be freed
+                    // (fitted to `tests/estimate.rs`: 5·d at tp 2 and at tp 4).
+                    + if seq { 5.0 * d } else { 0.0 }
             }
             // Candle's backward holds each node's gradient until it is used, with
             // temporaries of the chain rule: fitted to measurements (`tests/estimate.rs`).
@@ -177,7 +200,7 @@ pub(crate) fn footprint(
             OpsBackend::Composed => 0.0,
         },
         segments: layers.max(1),
-        segment_input_per_token: d,
+        segment_input_per_token: if seq { d / a } else { d },
         segment_per_token: segment,
         // The MLP's first product, or the head's.
         largest_product: (4 * cfg.d_model / tp * cfg.d_model * (layers > 0) as usize)
@@ -193,7 +216,11 @@ pub(crate) fn footprint(
             }
             _ => 0,
         },
-        input_per_token: if plan.embed { 0.0 } else { d },
+        input_per_token: match (plan.embed, seq) {
+            (true, _) => 0.0,
+            (false, true) => d / a,
+            (false, false) => d,
+        },
         // A split backward's copies for `W`, per block: each pair's output gradient and
         // input (`d` each) and its middle's input gradient and output (`3·d/tp` and
         // `d/tp` for the attention, `4·d/tp` each for the MLP); bf16 at bf16.

@@ -61,6 +61,15 @@ pub trait Model:
         Ok(())
     }
 
+    /// Whether the stages split the sequence over the tensor-parallel group when the
+    /// store asks for it (`ParamStore::set_sequence_parallel`): their embeddings' output
+    /// is split along dim 1 and their LM head gathers it
+    /// ([`switchyard_shard::SequenceSplit`]). Default: no (the trainer then refuses
+    /// `--sequence-parallel`).
+    fn sequence_parallel(&self) -> bool {
+        false
+    }
+
     /// Elements per token of the activation a stage passes to the next, and of each
     /// tensor-parallel all-reduce (the hidden width), for the time model
     /// (`switchyard_train::estimate::time`). Default: unknown (messages then count their
@@ -88,7 +97,9 @@ pub trait Model:
     }
 
     /// What stage `plan` of one rank of a tensor-parallel group of `tp` holds and saves,
-    /// in elements, for the memory estimator (`switchyard_train::estimate::memory`).
+    /// in elements, for the memory estimator (`switchyard_train::estimate::memory`);
+    /// `sequence_parallel` when the stage splits its sequence over the group
+    /// ([`Model::sequence_parallel`]).
     ///
     /// Default: the parameters of the stage built at degree 1 on a throw-away store
     /// (which allocates it), each divided by its `ShardSpec`; activations unknown (the
@@ -99,6 +110,7 @@ pub trait Model:
         plan: &StagePlan,
         tp: usize,
         _seq_len: usize,
+        _sequence_parallel: bool,
     ) -> Result<Footprint, ModelError> {
         self.validate()?;
         let store = ParamStore::new(DType::F32, 0, 1, ParamSource::Init { seed: 0 })

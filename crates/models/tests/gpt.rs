@@ -115,7 +115,7 @@ fn the_footprint_counts_what_each_stage_builds() {
                                 .product()
                         })
                         .collect();
-                    let f = cfg.footprint(plan, tp, 16).unwrap();
+                    let f = cfg.footprint(plan, tp, 16, false).unwrap();
                     let what = format!("tied {tied}, V {vocab}, tp {tp}, stage {plan:?}");
                     assert_eq!(f.params, sizes.iter().sum::<usize>(), "{what}");
                     assert_eq!(f.tensors, sizes.len(), "{what}");

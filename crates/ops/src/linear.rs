@@ -31,6 +31,11 @@ use crate::{composed, OpsBackend, Precision};
 /// over a tensor-parallel group. Every rank of the group must call it in the same order.
 pub type Reduce = Arc<dyn Fn(&Tensor) -> Result<Tensor> + Send + Sync>;
 
+/// Produces, in a fused op's backward, the input its forward read (for instance by
+/// all-gathering the slices it was gathered from), so that the input need not be kept.
+/// Every rank of the group must call it in the same order.
+pub type Regather = Arc<dyn Fn() -> Result<Tensor> + Send + Sync>;
+
 /// What [`linear_with`] adds around the product.
 #[derive(Clone, Default)]
 pub struct LinearOptions {

@@ -36,7 +36,7 @@ use crate::gelu::{gelu_backward, gelu_backward_bf16, gelu_forward, gelu_forward_
 use crate::kernel::{self, slice, view, Float};
 use crate::linear::{
     affine_forward, affine_input_grad, affine_weight_grad, check_precision, column_sums, halve_at,
-    halve_held, input_grad, round_at, Reduce,
+    halve_held, input_grad, round_at, Reduce, Regather,
 };
 use crate::DeferredWeights;
 use crate::{composed, OpsBackend, Precision};
@@ -77,6 +77,13 @@ pub struct PairOptions {
     /// ([`PairWeights::detached`]: candle wants a gradient for every tracked input). The
     /// composed twin ignores it.
     pub defer: Option<DeferredWeights>,
+    /// Where the backward gets the input's values: from this (a sequence-parallel
+    /// block's all-gather, again) instead of the input tensor, which the caller may then
+    /// free in place after the forward ([`PairWeights::runs_fused`] says whether the
+    /// fused op runs; its composed twin reads the input tensor). At `Bf16` the op then
+    /// keeps no bf16 copy of its input either, and rounds what this returns as the
+    /// forward rounded the input.
+    pub input_again: Option<Regather>,
 }
 
 /// Rows that a deferred weight product reads, owned (copied out of the backward).
@@ -174,6 +181,19 @@ impl PairWeights {
         self.copied
     }
 
+    /// Whether [`mlp_with`] and [`attention_block_with`] run the fused op on `x` with
+    /// these weights and `opts` (rather than the composed twin, for another backend,
+    /// dtype or device).
+    pub fn runs_fused(&self, x: &Tensor, opts: &PairOptions) -> bool {
+        let half = x.dtype() == DType::BF16 && opts.precision == Precision::Bf16;
+        let wt = self.fused[0].dtype();
+        let fused = match half {
+            true => opts.backend.fuses_bf16(x) && wt == DType::F32,
+            false => opts.backend.fuses(x) && wt == x.dtype(),
+        };
+        fused && self.fused[0].device().is_cpu()
+    }
+
     /// `(n1, d)` and `(out, m)`.
     fn dims(&self) -> Result<[(usize, usize); 2]> {
         Ok([self.w[0].dims2()?, self.w[1].dims2()?])
@@ -264,11 +284,7 @@ fn pair(x: &Tensor, w: &PairWeights, heads: Option<usize>, opts: &PairOptions) -
     )?;
     let half = x.dtype() == DType::BF16 && opts.precision == Precision::Bf16;
     let wt = w.fused[0].dtype();
-    let fused = match half {
-        true => opts.backend.fuses_bf16(x) && wt == DType::F32,
-        false => opts.backend.fuses(x) && wt == x.dtype(),
-    };
-    if !fused || !w.fused[0].device().is_cpu() {
+    if !w.runs_fused(x, opts) {
         if half && wt == DType::F32 {
             // bf16 activations on the composed twin: it multiplies f32 tensors.
             return composed::pair(&x.to_dtype(DType::F32)?, w, heads, opts)?.to_dtype(DType::BF16);
@@ -396,7 +412,7 @@ impl Pair {
         )?;
         let h = (!self.recomputes_h()).then(|| keep(h, half));
         let _ = self.saved.set((pre, h));
-        if let Some(x) = x_half {
+        if let Some(x) = x_half.filter(|_| self.opts.input_again.is_none()) {
             let _ = self.input.set(CpuStorage::BF16(x));
         }
         let mut dims = shape.dims().to_vec();
@@ -443,10 +459,19 @@ impl Pair {
         let n = Self::NAME;
         let (xv, w1v, w2v, gv) = (view(x, n)?, view(w1, n)?, view(w2, n)?, view(&grad, n)?);
         // The input as the forward's products read it: kept rounded (the tensor's
-        // values may have been freed: only a view of them is taken), or the values.
-        let xs = match self.input.get() {
-            Some(kept) => T::held(kept)?,
-            None => xv.held::<T>()?,
+        // values may have been freed: only a view of them is taken), gathered again
+        // (and rounded as the forward rounded it), or the values.
+        let again = match (self.input.get(), &self.opts.input_again) {
+            (None, Some(f)) => Some(f()?.contiguous()?),
+            _ => None,
+        };
+        let again_view = again.as_ref().map(|t| view(t, n)).transpose()?;
+        let again_held = again_view.as_ref().map(|v| v.held::<T>()).transpose()?;
+        let again_half = again_held.and_then(|h| halve_held(prec, h));
+        let xs = match (self.input.get(), again_held) {
+            (Some(kept), _) => T::held(kept)?,
+            (None, Some(h)) => h.or_half(again_half.as_deref()),
+            (None, None) => xv.held::<T>()?,
         };
         let (w1s, w2s, g_in) = (w1v.get::<T>()?, w2v.get::<T>()?, gv.held::<T>()?);
         // The second affine map (`g`'s backward is the identity), then the middle

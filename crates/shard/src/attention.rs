@@ -17,6 +17,7 @@ use crate::error::ShardError;
 use crate::linear::{check_group, ColumnParallelLinear, RowParallelLinear};
 use crate::pair::{column_row_pair, pair_backward_weights, pair_options, StepCache};
 use crate::param::{Builder, Init};
+use crate::sequence::SequenceSplit;
 
 /// Initialisation of a transformer sub-layer's parameters.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -57,6 +58,8 @@ pub struct ParallelSelfAttention {
     fused: StepCache,
     /// Where a split backward defers the weight products ([`Self::set_split_backward`]).
     split: DeferredWeights,
+    /// [`Builder::sequence_parallel`]: the input and output are split along the sequence.
+    seq: SequenceSplit,
 }
 
 impl ParallelSelfAttention {
@@ -92,6 +95,7 @@ impl ParallelSelfAttention {
             }
             .into());
         }
+        let seq = SequenceSplit::new(&vb, comm.clone());
         let (c_attn, c_proj) = column_row_pair(
             &vb,
             comm,
@@ -106,8 +110,9 @@ impl ParallelSelfAttention {
             n_head,
             local_heads: n_head / n,
             head_dim: d_model / n_head,
-            fused: StepCache::default(),
+            fused: StepCache::new(&seq),
             split: DeferredWeights::new(),
+            seq,
         })
     }
 
@@ -117,20 +122,26 @@ impl ParallelSelfAttention {
     /// attention straight on its packed output (no transposes, no `(B, H, T, T)`
     /// tensors), and the output projection with its bias, `f` on the input gradient and
     /// `g` on the output. Neither the qkv projection nor the attention output becomes a
-    /// tensor of candle's graph.
+    /// tensor of candle's graph. Under sequence parallelism `[B, T/p, d]` (this rank's
+    /// positions) to `[B, T/p, d]`, the collectives and `c_proj`'s bias around the op
+    /// ([`crate::SequenceSplit`]).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         x.dims3()?;
         let opts = PairOptions {
             defer: Some(self.split.clone()),
-            ..pair_options(&self.c_attn)
+            ..pair_options(&self.c_attn, &self.seq)
         };
         let w = self.fused.weights(&self.c_attn, &self.c_proj)?;
-        attention_block_with(x, &w, self.local_heads, &opts).map_err(|e| {
-            e.context(format!(
-                "{} (tensor-parallel attention)",
-                self.c_attn.name()
-            ))
-        })
+        let heads = self.local_heads;
+        let run = |x: &Tensor, w: &_, opts: &_| attention_block_with(x, w, heads, opts);
+        self.seq
+            .around_pair(x, self.c_proj.bias(), (&w, opts), run)
+            .map_err(|e| {
+                e.context(format!(
+                    "{} (tensor-parallel attention)",
+                    self.c_attn.name()
+                ))
+            })
     }
 
     /// Fuses the weights with their biases once for every forward pass until

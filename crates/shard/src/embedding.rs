@@ -42,6 +42,7 @@ use crate::collectives::reduce_from_region;
 use crate::error::invalid;
 use crate::linear::{check_group, ColumnParallelLinear};
 use crate::param::{Builder, Init};
+use crate::sequence::SequenceSplit;
 use crate::spec::ShardSpec;
 
 /// A token embedding whose table is split over the (padded) vocabulary.
@@ -56,6 +57,9 @@ pub struct VocabParallelEmbedding {
     vocab_size: usize,
     dim: usize,
     range: Range<usize>,
+    /// The builder's sequence split, for a tied LM head
+    /// ([`VocabParallelEmbedding::tied_lm_head`]).
+    seq: SequenceSplit,
 }
 
 impl VocabParallelEmbedding {
@@ -80,6 +84,7 @@ impl VocabParallelEmbedding {
             .padded_rows(comm.rank(), comm.world_size())
             .expect("a padded spec");
         let start = comm.rank() * per;
+        let seq = SequenceSplit::new(vb, comm.clone());
         Ok(VocabParallelEmbedding {
             name,
             weight,
@@ -87,6 +92,7 @@ impl VocabParallelEmbedding {
             vocab_size,
             dim,
             range: start..start + real,
+            seq,
         })
     }
 
@@ -170,6 +176,7 @@ impl VocabParallelEmbedding {
             self.comm.clone(),
             false,
         )
+        .map(|h| h.with_sequence_split(self.seq.clone()))
     }
 }
 

@@ -85,6 +85,7 @@ mod mlp;
 mod pair;
 mod param;
 mod rng;
+mod sequence;
 mod spec;
 pub mod storage;
 
@@ -99,6 +100,7 @@ pub use linear::{ColumnConfig, ColumnParallelLinear, RowConfig, RowParallelLinea
 pub use loss::{vocab_parallel_cross_entropy, vocab_parallel_cross_entropy_with};
 pub use mlp::ParallelMlp;
 pub use param::{Builder, Init, Param, ParamSource, ParamStore};
+pub use sequence::{SequenceSplit, SEQUENCE_DIM};
 pub use spec::{gather_full_tensor, ShardSpec};
 pub use switchyard_ops::{OpsBackend, Precision};
 

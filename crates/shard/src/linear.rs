@@ -26,6 +26,7 @@ use switchyard_ops::{linear_with, LinearOptions, OpsBackend, Precision, Reduce};
 use crate::collectives::{gather_from_region, scatter_to_region};
 use crate::error::ShardError;
 use crate::param::{Builder, Init};
+use crate::sequence::SequenceSplit;
 use crate::spec::ShardSpec;
 
 /// An all-reduce (sum) over `comm`, as a hook for the fused ops of `switchyard-ops`.
@@ -95,6 +96,8 @@ pub struct ColumnParallelLinear {
     gather_output: bool,
     ops: OpsBackend,
     precision: Precision,
+    /// [`ColumnParallelLinear::with_sequence_split`].
+    seq: SequenceSplit,
 }
 
 impl ColumnParallelLinear {
@@ -131,6 +134,7 @@ impl ColumnParallelLinear {
             gather_output: cfg.gather_output,
             ops: vb.ops(),
             precision: vb.precision(),
+            seq: SequenceSplit::off(),
         })
     }
 
@@ -156,10 +160,12 @@ impl ColumnParallelLinear {
             ShardSpec::padded(0, vocab_size),
             weight_init,
         )?;
+        let seq = SequenceSplit::new(vb, comm.clone());
         Ok(
             ColumnParallelLinear::from_weight(name, weight, comm, false)?
                 .with_ops(vb.ops())
-                .with_precision(vb.precision()),
+                .with_precision(vb.precision())
+                .with_sequence_split(seq),
         )
     }
 
@@ -186,7 +192,18 @@ impl ColumnParallelLinear {
             gather_output,
             ops: OpsBackend::Fused,
             precision: Precision::F32,
+            seq: SequenceSplit::off(),
         })
+    }
+
+    /// The layer taking sequence-split input ([`SequenceSplit`]): `[B, T/p, in]`, this
+    /// rank's positions, which it all-gathers before the product (whose input gradient
+    /// the all-gather's backward reduce-scatters, in place of `f`'s all-reduce). For an
+    /// LM head after a sequence-parallel model; [`ColumnParallelLinear::vocab_head`]
+    /// takes its builder's.
+    pub fn with_sequence_split(mut self, seq: SequenceSplit) -> Self {
+        self.seq = seq;
+        self
     }
 
     /// The layer computing with `ops` ([`OpsBackend`]; a layer made by
@@ -230,15 +247,17 @@ impl ColumnParallelLinear {
     }
 
     fn forward_opts(&self, x: &Tensor, gelu: bool) -> Result<Tensor> {
+        let f = self.comm.world_size() > 1 && !self.seq.is_on();
         let opts = LinearOptions {
             gelu,
             reduce_output: None,
-            reduce_input_grad: (self.comm.world_size() > 1).then(|| all_reduce_hook(&self.comm)),
+            reduce_input_grad: f.then(|| all_reduce_hook(&self.comm)),
             backend: self.ops,
             precision: self.precision,
         };
+        let x = self.seq.gather(x)?;
         let y = linear_with(
-            x,
+            &x,
             self.weight.as_tensor(),
             self.bias.as_ref().map(|b| b.as_tensor()),
             &opts,

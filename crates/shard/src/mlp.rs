@@ -16,6 +16,7 @@ use crate::error::ShardError;
 use crate::linear::{check_group, ColumnParallelLinear, RowParallelLinear};
 use crate::pair::{column_row_pair, pair_backward_weights, pair_options, StepCache};
 use crate::param::Builder;
+use crate::sequence::SequenceSplit;
 
 /// `c_fc` (column, `d → hidden`, bias), GELU (tanh approximation), `c_proj` (row,
 /// `hidden → d`, bias).
@@ -35,6 +36,8 @@ pub struct ParallelMlp {
     /// [`Builder::selective_recompute`]: the GELU's output is computed again in the
     /// backward instead of kept.
     recompute_gelu: bool,
+    /// [`Builder::sequence_parallel`]: the input and output are split along the sequence.
+    seq: SequenceSplit,
 }
 
 impl ParallelMlp {
@@ -60,28 +63,33 @@ impl ParallelMlp {
             }
             .into());
         }
+        let seq = SequenceSplit::new(&vb, comm.clone());
         let (c_fc, c_proj) =
             column_row_pair(&vb, comm, "c_fc", d_model, (hidden, 1, hidden), init)?;
         Ok(ParallelMlp {
             c_fc,
             c_proj,
-            fused: StepCache::default(),
+            fused: StepCache::new(&seq),
             split: DeferredWeights::new(),
             recompute_gelu: vb.selective_recompute(),
+            seq,
         })
     }
 
-    /// `x` `[.., d]` (replicated) to `[.., d]` (replicated).
+    /// `x` `[.., d]` (replicated) to `[.., d]` (replicated); under sequence parallelism
+    /// `[B, T/p, d]` (this rank's positions) to `[B, T/p, d]`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         // One fused op: both products, GELU, both biases, `f` on the input gradient and
-        // `g` on the output; the `[.., hidden/p]` activation never leaves it.
+        // `g` on the output; the `[.., hidden/p]` activation never leaves it. Under
+        // sequence parallelism the collectives and the second bias are around it.
         let opts = PairOptions {
             recompute_gelu: self.recompute_gelu,
             defer: Some(self.split.clone()),
-            ..pair_options(&self.c_fc)
+            ..pair_options(&self.c_fc, &self.seq)
         };
         let w = self.fused.weights(&self.c_fc, &self.c_proj)?;
-        mlp_with(x, &w, &opts)
+        self.seq
+            .around_pair(x, self.c_proj.bias(), (&w, opts), mlp_with)
             .map_err(|e| e.context(format!("{} (tensor-parallel MLP)", self.c_fc.name())))
     }
 

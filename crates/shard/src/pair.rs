@@ -13,17 +13,34 @@ use crate::linear::{
     all_reduce_hook, ColumnConfig, ColumnParallelLinear, RowConfig, RowParallelLinear,
 };
 use crate::param::Builder;
+use crate::sequence::SequenceSplit;
 
 /// The weights of a column-then-row pair fused with their biases
 /// ([`switchyard_ops::PairWeights`]) for the duration of one step (see
 /// `ParallelMlp::begin_step`): empty outside a step, so nothing derived from the
 /// parameters survives their update.
-#[derive(Default)]
-pub(crate) struct StepCache(std::sync::Mutex<Option<PairWeights>>);
+///
+/// Under sequence parallelism the row-parallel bias is left out of the fused weights: it
+/// is added after the reduce-scatter ([`crate::SequenceSplit`]).
+pub(crate) struct StepCache {
+    cache: std::sync::Mutex<Option<PairWeights>>,
+    /// Whether the row-parallel layer's bias is fused with its weight.
+    row_bias: bool,
+}
 
 impl StepCache {
+    /// A cache fusing the row-parallel bias unless `seq` splits the sequence.
+    pub(crate) fn new(seq: &SequenceSplit) -> Self {
+        StepCache {
+            cache: Default::default(),
+            row_bias: !seq.is_on(),
+        }
+    }
     fn lock(&self) -> std::sync::MutexGuard<'_, Option<PairWeights>> {
-        self.0.lock().unwrap_or_else(|e| e.into_inner())
+        self.cache.lock().unwrap_or_else(|e| e.into_inner())
+    }
+    fn row_bias<'a>(&self, row: &'a RowParallelLinear) -> Option<&'a Var> {
+        row.bias().filter(|_| self.row_bias)
     }
     /// Fuses `col`'s and `row`'s weights for every call of [`StepCache::weights`] until
     /// [`StepCache::end`].
@@ -38,7 +55,10 @@ impl StepCache {
                 // Where nothing is fused the tensors are the weights themselves.
                 let parts = [
                     (col.weight().as_tensor(), col.bias().map(|b| b.as_tensor())),
-                    (row.weight().as_tensor(), row.bias().map(|b| b.as_tensor())),
+                    (
+                        row.weight().as_tensor(),
+                        self.row_bias(row).map(|b| b.as_tensor()),
+                    ),
                 ];
                 for ((o, (w, b)), copied) in old.fused().iter().zip(parts).zip(old.copied()) {
                     if copied {
@@ -46,7 +66,7 @@ impl StepCache {
                     }
                 }
             }
-            None => *cached = Some(pair_weights(col, row)?),
+            None => *cached = Some(pair_weights(col, row, self.row_bias(row))?),
         }
         Ok(())
     }
@@ -74,7 +94,7 @@ impl StepCache {
         let cached = self.lock().clone();
         match cached {
             Some(w) => Ok(w),
-            None => pair_weights(col, row),
+            None => pair_weights(col, row, self.row_bias(row)),
         }
     }
 }
@@ -111,21 +131,27 @@ fn refill_fused(fused: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<()> {
     })
 }
 
-fn pair_weights(col: &ColumnParallelLinear, row: &RowParallelLinear) -> Result<PairWeights> {
+fn pair_weights(
+    col: &ColumnParallelLinear,
+    row: &RowParallelLinear,
+    row_bias: Option<&Var>,
+) -> Result<PairWeights> {
     PairWeights::new(
         col.weight().as_tensor(),
         col.bias().map(|b| b.as_tensor()),
         row.weight().as_tensor(),
-        row.bias().map(|b| b.as_tensor()),
+        row_bias.map(|b| b.as_tensor()),
     )
 }
 
 /// The collectives of a column-then-row pair fused into one op: `f` (all-reduce of the
-/// input gradient) and `g` (all-reduce of the output); none on a group of one. The
-/// backend and precision are the first (column-parallel) layer's.
-pub(crate) fn pair_options(first: &ColumnParallelLinear) -> PairOptions {
+/// input gradient) and `g` (all-reduce of the output); none on a group of one, and none
+/// under sequence parallelism, whose collectives are outside the op
+/// ([`SequenceSplit::around_pair`]). The backend and precision are the first
+/// (column-parallel) layer's.
+pub(crate) fn pair_options(first: &ColumnParallelLinear, seq: &SequenceSplit) -> PairOptions {
     let comm = first.comm();
-    let hook = (comm.world_size() > 1).then(|| all_reduce_hook(comm));
+    let hook = (comm.world_size() > 1 && !seq.is_on()).then(|| all_reduce_hook(comm));
     PairOptions {
         reduce_output: hook.clone(),
         reduce_input_grad: hook,
@@ -133,6 +159,7 @@ pub(crate) fn pair_options(first: &ColumnParallelLinear) -> PairOptions {
         recompute_gelu: false,
         precision: first.precision(),
         defer: None,
+        input_again: None,
     }
 }
 

@@ -94,6 +94,11 @@ struct StoreInner {
     used: Mutex<HashSet<String>>,
     /// [`ParamStore::set_selective_recompute`].
     selective_recompute: std::sync::atomic::AtomicBool,
+    /// [`ParamStore::set_sequence_parallel`].
+    sequence_parallel: std::sync::atomic::AtomicBool,
+    /// What this rank's sequence-parallel layers free once the group has moved on
+    /// ([`crate::SequenceSplit`]): one list for all the layers of the rank.
+    sequence_pending: crate::sequence::Pending,
 }
 
 /// The registry of the parameters created on this rank, in creation order.
@@ -143,6 +148,8 @@ impl ParamStore {
             params: Mutex::new(Vec::new()),
             used: Mutex::new(HashSet::new()),
             selective_recompute: Default::default(),
+            sequence_parallel: Default::default(),
+            sequence_pending: Default::default(),
         })))
     }
 
@@ -178,6 +185,7 @@ impl ParamStore {
                 .0
                 .selective_recompute
                 .load(std::sync::atomic::Ordering::Relaxed),
+            sequence_parallel: self.sequence_parallel(),
         }
     }
 
@@ -188,6 +196,29 @@ impl ParamStore {
         self.0
             .selective_recompute
             .store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Sequence parallelism for the layers built from now on through this store's
+    /// builders ([`Builder::sequence_parallel`]): the trainer's choice, set before it asks
+    /// the model to build its stages. Over a group of one rank it changes nothing.
+    pub fn set_sequence_parallel(&self, on: bool) {
+        self.0
+            .sequence_parallel
+            .store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether [`ParamStore::set_sequence_parallel`] is on and the group has several ranks.
+    pub fn sequence_parallel(&self) -> bool {
+        self.0.tp_size > 1
+            && self
+                .0
+                .sequence_parallel
+                .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// The list of tensors this rank's sequence-parallel layers free later.
+    pub(crate) fn sequence_pending(&self) -> crate::sequence::Pending {
+        self.0.sequence_pending.clone()
     }
 
     /// Every parameter created so far, in creation order.
@@ -380,18 +411,16 @@ pub struct Builder {
     precision: Precision,
     /// [`Builder::selective_recompute`].
     selective_recompute: bool,
+    /// [`Builder::sequence_parallel`].
+    sequence_parallel: bool,
 }
 
 impl Builder {
     /// A builder whose paths are prefixed by `s` (joined with a dot).
     pub fn pp(&self, s: impl AsRef<str>) -> Builder {
         Builder {
-            store: self.store.clone(),
             prefix: self.path(s.as_ref()),
-            shared: self.shared,
-            ops: self.ops,
-            precision: self.precision,
-            selective_recompute: self.selective_recompute,
+            ..self.clone()
         }
     }
 
@@ -419,12 +448,8 @@ impl Builder {
     /// ```
     pub fn shared(&self) -> Builder {
         Builder {
-            store: self.store.clone(),
-            prefix: self.prefix.clone(),
             shared: true,
-            ops: self.ops,
-            precision: self.precision,
-            selective_recompute: self.selective_recompute,
+            ..self.clone()
         }
     }
 
@@ -466,6 +491,14 @@ impl Builder {
     /// ([`ParamStore::set_selective_recompute`]).
     pub fn selective_recompute(&self) -> bool {
         self.selective_recompute
+    }
+
+    /// Whether the layers built through this builder split the sequence over the
+    /// tensor-parallel group outside their parallel regions (Megatron's sequence
+    /// parallelism, [`crate::SequenceSplit`]). Set on the store
+    /// ([`ParamStore::set_sequence_parallel`]); never on a group of one rank.
+    pub fn sequence_parallel(&self) -> bool {
+        self.sequence_parallel
     }
 
     /// The current prefix (`""` at the root).

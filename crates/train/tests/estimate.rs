@@ -307,3 +307,71 @@ fn bf16_is_predicted_within_ten_percent() {
     eprintln!("measured activations, bf16 ÷ f32: {ratio:.3}");
     assert!(ratio <= 0.55, "bf16 activations {ratio:.3} × f32's");
 }
+
+/// Sequence parallelism (issue 17 §4): predicted within 10 % on layouts with each axis,
+/// at f32 and bf16; and measured, what every tensor-parallel rank of a block held whole
+/// (its LayerNorms and residual stream) is divided by tp. A block's part is the
+/// difference between 8 and 4 blocks (the embeddings and the head cancel); with `A₁` one
+/// worker's and `A_tp` tp's without sequence parallelism, `A_tp = P/tp + R` gives the
+/// parallel part `P` and the replicated part `R`.
+#[test]
+fn sequence_parallelism_is_predicted_and_divides_the_replicated_activations() {
+    let at = |layout, s, precision, sp, layers| {
+        let mut c = cfg(layout, s, gpt(128, layers));
+        c.model.precision = precision;
+        c.seq_len = 64;
+        c.model.block_size = 64;
+        c.microbatches = 8;
+        c.batch = 32;
+        c.sequence_parallel = sp;
+        c
+    };
+    let mut worst: f64 = 0.0;
+    for (layout, s) in [
+        ((1, 1, 2), "1f1b"),
+        ((1, 2, 2), "1f1b"),
+        ((1, 2, 2), "zb-h1"),
+        ((1, 1, 4), "1f1b"),
+    ] {
+        worst = worst.max(worst_error(&at(layout, s, Precision::F32, true, 4)));
+    }
+    worst = worst.max(worst_error(&at(
+        (1, 2, 2),
+        "1f1b",
+        Precision::Bf16,
+        true,
+        4,
+    )));
+    assert!(worst <= 0.10, "worst error {:.1} %", 100.0 * worst);
+    let measured = |c: &TrainConfig<GptConfig>| {
+        let report = train(c, &Corpus::bundled(), &TrainOptions::default()).unwrap();
+        report.memory[0].bytes_by_category[Category::Activations.name()] as f64
+    };
+    // Four blocks' activations on one rank.
+    let blocks = |tp, sp| {
+        let deep = measured(&at((1, 1, tp), "1f1b", Precision::F32, sp, 8));
+        deep - measured(&at((1, 1, tp), "1f1b", Precision::F32, sp, 4))
+    };
+    let one = blocks(1, false);
+    for tp in [2, 4] {
+        let (plain, split) = (blocks(tp, false), blocks(tp, true));
+        let a = tp as f64;
+        let parallel = (one - plain) * a / (a - 1.0);
+        let replicated = one - parallel;
+        let split_replicated = split - parallel / a;
+        let ratio = split_replicated / replicated;
+        eprintln!(
+            "tp {tp}: four blocks keep {:.0} KiB (one worker), {:.0} KiB, {:.0} KiB with \
+             sequence parallelism; their replicated part {:.0} → {:.0} KiB ({ratio:.3} ×)",
+            one / 1024.0,
+            plain / 1024.0,
+            split / 1024.0,
+            replicated / 1024.0,
+            split_replicated / 1024.0
+        );
+        assert!(
+            ratio <= 1.0 / a * 1.1,
+            "tp {tp}: the replicated activations shrink to {ratio:.3} ×, not 1/{tp}"
+        );
+    }
+}

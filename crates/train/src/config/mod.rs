@@ -114,6 +114,14 @@ pub struct TrainConfig<M> {
     pub max_memory_per_worker: Option<Bytes>,
     /// Activation recomputation ([`Recompute`]).
     pub recompute: Recompute,
+    /// Sequence parallelism (Megatron's `--sequence-parallel`; with `tp > 1`, models
+    /// that support it): the LayerNorms and the residual stream run on `seq_len / tp`
+    /// positions per tensor-parallel rank, each block's all-reduces become an
+    /// all-gather before its column-parallel products and a reduce-scatter after its
+    /// row-parallel ones ([`switchyard_shard::SequenceSplit`]). Same parameters, same
+    /// checkpoints, the gradients equal to rounding. Absent in configurations and
+    /// manifests written before it existed (`false`).
+    pub sequence_parallel: bool,
 }
 
 impl<M: Default> Default for TrainConfig<M> {
@@ -162,6 +170,7 @@ impl<M> TrainConfig<M> {
             device: DeviceSpec::Cpu,
             max_memory_per_worker: None,
             recompute: Recompute::None,
+            sequence_parallel: false,
         }
     }
 }
@@ -272,6 +281,7 @@ impl<M: Model> TrainConfig<M> {
         }
         self.validate_numbers()?;
         m.check_layout(self.tp, self.seq_len)?;
+        self.validate_sequence_parallel()?;
         if self.microbatches == 0 || self.batch == 0 || self.steps == 0 {
             return Err(err!(
                 Config,
@@ -341,6 +351,34 @@ impl<M: Model> TrainConfig<M> {
             ));
         }
         debug_assert_eq!(world, self.world_size());
+        Ok(())
+    }
+
+    /// `--sequence-parallel`: a model that splits its sequence, and whole positions on
+    /// every tensor-parallel rank.
+    fn validate_sequence_parallel(&self) -> Result<(), TrainError> {
+        if !self.sequence_parallel || self.tp == 1 {
+            return Ok(());
+        }
+        if !self.model.sequence_parallel() {
+            return Err(err!(
+                Config,
+                "--sequence-parallel: the model \"{}\" does not split its sequence (its \
+                 Model::sequence_parallel is false); leave the flag out",
+                M::NAME
+            ));
+        }
+        if !self.seq_len.is_multiple_of(self.tp) {
+            return Err(err!(
+                Config,
+                "--sequence-parallel splits the sequence over the tensor-parallel ranks, but \
+                 --seq-len {} does not divide by --tp {}: use a --seq-len that is a multiple \
+                 of {}",
+                self.seq_len,
+                self.tp,
+                self.tp
+            ));
+        }
         Ok(())
     }
 

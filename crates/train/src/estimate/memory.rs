@@ -137,7 +137,10 @@ pub fn estimate_memory<M: Model>(cfg: &TrainConfig<M>) -> Result<Vec<RankEstimat
     let plans = plan_stages(&cfg.model.costs(cfg.seq_len), stages, &cfg.split)?;
     let feet: Vec<Footprint> = plans
         .iter()
-        .map(|p| cfg.model.footprint(p, cfg.tp, cfg.seq_len))
+        .map(|p| {
+            let sp = cfg.sequence_parallel && cfg.tp > 1;
+            cfg.model.footprint(p, cfg.tp, cfg.seq_len, sp)
+        })
         .collect::<Result<_, _>>()?;
     let acts: Vec<&Activations> = feet
         .iter()

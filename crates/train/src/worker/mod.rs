@@ -205,6 +205,7 @@ impl<'a, M: Model> Worker<'a, M> {
         let device = cfg.device.open()?;
         let store = ParamStore::for_group_on(&*mesh.tp, &device, DType::F32, source)?;
         store.set_selective_recompute(cfg.recompute == Recompute::Selective);
+        store.set_sequence_parallel(cfg.sequence_parallel);
         let mut stages = Vec::new();
         for s in pipe.stages_of_rank(mesh.coord.pp as u32) {
             let stage = cfg

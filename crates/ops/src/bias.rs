@@ -1,0 +1,136 @@
+//! `y = x + b` over the rows of `x` (`[.., n]` plus `[n]`) as one op with a hand-written
+//! backward: `dx = G`, `db = Σ_rows G`.
+//!
+//! Candle's `broadcast_add` takes a strided path for the broadcast operand and its
+//! backward sums the gradient over the broadcast dims with general reductions; for a
+//! sequence-parallel block's row-parallel bias (added after the reduce-scatter, twice
+//! per block and microbatch) that cost more than the rows it adds. Here the forward is
+//! one pass over the rows and the backward one column sum (split over the pool's
+//! threads, [`crate::linear`]'s `column_sums`).
+
+use candle_core::backend::BackendStorage;
+use candle_core::{bail, CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor, D};
+use rayon::prelude::*;
+
+use crate::kernel::{self, slice, Float};
+use crate::linear::column_sums;
+use crate::OpsBackend;
+
+/// `x + b` for `x` `[.., n]` and `b` `[n]`: the fused op on CPU f32 and f64 tensors
+/// ([`OpsBackend::Fused`]), candle's `broadcast_add` otherwise. Gradients flow to both.
+pub fn add_bias(x: &Tensor, b: &Tensor, backend: OpsBackend) -> Result<Tensor> {
+    let n = x.dim(D::Minus1)?;
+    if b.dims() != [n] {
+        bail!(
+            "add_bias: the bias must be [{n}] for x {:?}, got {:?}",
+            x.dims(),
+            b.dims()
+        );
+    }
+    let fused = backend == OpsBackend::Fused
+        && x.device().is_cpu()
+        && b.device().is_cpu()
+        && x.dtype() == b.dtype()
+        && matches!(x.dtype(), DType::F32 | DType::F64);
+    if !fused {
+        return x.broadcast_add(b);
+    }
+    x.contiguous()?.apply_op2(&b.contiguous()?, AddBias)
+}
+
+struct AddBias;
+
+fn forward<T: Float>(x: &[T], b: &[T]) -> Vec<T> {
+    let n = b.len().max(1);
+    let mut y = x.to_vec();
+    let per = kernel::rows_per_task(x.len() / n) * n;
+    y.par_chunks_mut(per.max(1)).for_each(|rows| {
+        for row in rows.chunks_mut(n) {
+            for (v, &c) in row.iter_mut().zip(b) {
+                *v += c;
+            }
+        }
+    });
+    y
+}
+
+impl CustomOp2 for AddBias {
+    fn name(&self) -> &'static str {
+        "switchyard-add-bias"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let n = self.name();
+        let out = match s1.dtype() {
+            DType::F32 => CpuStorage::F32(forward::<f32>(slice(s1, l1, n)?, slice(s2, l2, n)?)),
+            DType::F64 => CpuStorage::F64(forward::<f64>(slice(s1, l1, n)?, slice(s2, l2, n)?)),
+            d => bail!("{n}: unsupported dtype {d:?}"),
+        };
+        Ok((out, l1.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        _x: &Tensor,
+        b: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let g = grad.contiguous()?;
+        let width = b.elem_count();
+        let db = match g.dtype() {
+            DType::F32 => Tensor::new(
+                column_sums(&g.flatten_all()?.to_vec1::<f32>()?, width),
+                b.device(),
+            )?,
+            DType::F64 => Tensor::new(
+                column_sums(&g.flatten_all()?.to_vec1::<f64>()?, width),
+                b.device(),
+            )?,
+            d => bail!("{}: unsupported dtype {d:?}", self.name()),
+        };
+        Ok((Some(g), Some(db)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Var};
+
+    #[test]
+    fn matches_broadcast_add_forward_and_backward() -> Result<()> {
+        let dev = Device::Cpu;
+        let x = Var::from_tensor(&Tensor::randn(0f32, 1.0, (3, 5, 4), &dev)?)?;
+        let b = Var::from_tensor(&Tensor::randn(0f32, 1.0, 4, &dev)?)?;
+        let w = Tensor::randn(0f32, 1.0, (3, 5, 4), &dev)?;
+        let run = |backend| -> Result<Vec<Vec<f32>>> {
+            let y = add_bias(x.as_tensor(), b.as_tensor(), backend)?;
+            let g = (&y * &w)?.sum_all()?.backward()?;
+            Ok(vec![
+                y.flatten_all()?.to_vec1()?,
+                g.get(x.as_tensor()).unwrap().flatten_all()?.to_vec1()?,
+                g.get(b.as_tensor()).unwrap().to_vec1()?,
+            ])
+        };
+        let (fused, composed) = (run(OpsBackend::Fused)?, run(OpsBackend::Composed)?);
+        for (f, c) in fused.iter().zip(&composed) {
+            for (a, b) in f.iter().zip(c) {
+                assert!((a - b).abs() <= 1e-5 * b.abs().max(1.0), "{a} vs {b}");
+            }
+        }
+        assert!(add_bias(
+            x.as_tensor(),
+            &Tensor::zeros(3, DType::F32, &dev)?,
+            OpsBackend::Fused
+        )
+        .is_err());
+        Ok(())
+    }
+}
