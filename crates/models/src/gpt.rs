@@ -299,6 +299,7 @@ impl GptStage {
 
     /// Drops what [`GptStage::begin_step`] fused: call it before the parameters change.
     pub fn end_step(&self) {
+        self.seq.end_step();
         for b in &self.blocks {
             b.attn.end_step();
             b.mlp.end_step();

@@ -25,7 +25,7 @@
 //! Under sequence parallelism (fused ops) what every rank held whole is this rank's
 //! positions, `/tp`: a block saves `6·d/tp` (the LayerNorms' outputs, which the pairs
 //! gather again in the backward, the biased sub-layer outputs and the residual sums; at
-//! bf16 the sub-layer outputs are freed and the LayerNorms' outputs stay f32), a stage
+//! bf16 `4·d/tp`: the sub-layer outputs are freed, the LayerNorms' outputs stay f32), a stage
 //! receives `d/tp`, the embeddings save `d/tp` more (the split) and the head keeps
 //! the gathered `d` beside the LayerNorm's `d/tp`. The backward holds `5·d` more a
 //! token of one microbatch: whole-sequence gradients and the input gathered again
@@ -128,7 +128,12 @@ pub(crate) fn footprint(
     // keeps the gathered inputs).
     let seq = sequence_parallel && split && cfg.ops == OpsBackend::Fused;
     let (block, per_microbatch, block_tensors, ln_f) = match cfg.ops {
-        OpsBackend::Fused if seq => (12.0 * d / a * kept + 6.0 * d / a + h, 0, 32, d / a + d),
+        // Sequence parallelism: the LayerNorms' outputs and the residual sums of this
+        // rank's positions, and the biased sub-layer outputs but at bf16 (freed).
+        OpsBackend::Fused if seq => {
+            let whole = if kept < 1.0 { 4.0 } else { 6.0 };
+            (12.0 * d / a * kept + whole * d / a + h, 0, 32, d / a + d)
+        }
         // At bf16 the block frees the LayerNorms' outputs (the pairs keep them as bf16)
         // and the pairs' outputs (the residual adds need no values): the two residual
         // sums stay f32.

@@ -12,8 +12,8 @@ use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor, D};
 use rayon::prelude::*;
 
-use crate::kernel::{self, slice, Float};
-use crate::linear::column_sums;
+use crate::kernel::{self, slice, view, Float};
+use crate::linear::{add_rows, column_sums};
 use crate::OpsBackend;
 
 /// `x + b` for `x` `[.., n]` and `b` `[n]`: the fused op on CPU f32 and f64 tensors
@@ -33,7 +33,8 @@ pub fn add_bias(x: &Tensor, b: &Tensor, backend: OpsBackend) -> Result<Tensor> {
         && x.dtype() == b.dtype()
         && matches!(x.dtype(), DType::F32 | DType::F64);
     if !fused {
-        return x.broadcast_add(b);
+        // bf16 activations take an f32 bias rounded to their dtype.
+        return x.broadcast_add(&b.to_dtype(x.dtype())?);
     }
     x.contiguous()?.apply_op2(&b.contiguous()?, AddBias)
 }
@@ -44,13 +45,8 @@ fn forward<T: Float>(x: &[T], b: &[T]) -> Vec<T> {
     let n = b.len().max(1);
     let mut y = x.to_vec();
     let per = kernel::rows_per_task(x.len() / n) * n;
-    y.par_chunks_mut(per.max(1)).for_each(|rows| {
-        for row in rows.chunks_mut(n) {
-            for (v, &c) in row.iter_mut().zip(b) {
-                *v += c;
-            }
-        }
-    });
+    y.par_chunks_mut(per.max(1))
+        .for_each(|rows| add_rows(rows, b));
     y
 }
 
@@ -84,16 +80,13 @@ impl CustomOp2 for AddBias {
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let g = grad.contiguous()?;
         let width = b.elem_count();
-        let db = match g.dtype() {
-            DType::F32 => Tensor::new(
-                column_sums(&g.flatten_all()?.to_vec1::<f32>()?, width),
-                b.device(),
-            )?,
-            DType::F64 => Tensor::new(
-                column_sums(&g.flatten_all()?.to_vec1::<f64>()?, width),
-                b.device(),
-            )?,
-            d => bail!("{}: unsupported dtype {d:?}", self.name()),
+        let db = {
+            let gv = view(&g, self.name())?;
+            match g.dtype() {
+                DType::F32 => kernel::tensor(column_sums(gv.get::<f32>()?, width), width)?,
+                DType::F64 => kernel::tensor(column_sums(gv.get::<f64>()?, width), width)?,
+                d => bail!("{}: unsupported dtype {d:?}", self.name()),
+            }
         };
         Ok((Some(g), Some(db)))
     }

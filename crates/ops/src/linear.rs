@@ -204,7 +204,7 @@ struct Linear {
 
 simd! {
     /// Adds `b` to every `b.len()`-wide row of `y`.
-    fn add_rows<T>(y: &mut [T], b: &[T]) {
+    pub(crate) fn add_rows<T>(y: &mut [T], b: &[T]) {
         for row in y.chunks_exact_mut(b.len()) {
             for (v, &c) in row.iter_mut().zip(b) {
                 *v += c;

@@ -234,7 +234,9 @@ impl ColumnParallelLinear {
     /// with `gather_output`.
     ///
     /// One fused op: the product, the bias and, over a group of several ranks, `f` (the
-    /// all-reduce of the input gradient) in its backward pass.
+    /// all-reduce of the input gradient) in its backward pass. With a sequence split
+    /// ([`ColumnParallelLinear::with_sequence_split`]) `x` is `[B, T/p, in]`, this rank's
+    /// positions, all-gathered first (its backward reduce-scatters, in place of `f`).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         self.forward_opts(x, false)
     }

@@ -198,9 +198,10 @@ impl ParamStore {
             .store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
-    /// Sequence parallelism for the layers built from now on through this store's
-    /// builders ([`Builder::sequence_parallel`]): the trainer's choice, set before it asks
-    /// the model to build its stages. Over a group of one rank it changes nothing.
+    /// Sequence parallelism for the layers built through the builders made from now on
+    /// ([`Builder::sequence_parallel`]; a builder copies the flag when it is made): the
+    /// trainer's choice, set before it asks the model to build its stages. Over a group
+    /// of one rank it changes nothing.
     pub fn set_sequence_parallel(&self, on: bool) {
         self.0
             .sequence_parallel

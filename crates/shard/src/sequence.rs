@@ -21,13 +21,14 @@
 //! positions only: [`SequenceSplit::param`] puts `f` on the parameter, so its gradient
 //! is summed over the group in the backward and is complete and identical on every rank,
 //! as without sequence parallelism (one all-reduce of `d` values each). And the input of
-//! a column-parallel product is the gathered `[B, T, d]`: [`SequenceSplit::around_pair`]
-//! frees it after the forward and gathers it again in the backward, so that a block keeps
-//! only the `[B, T/p, d]` slice.
+//! a column-parallel product is the gathered `[B, T, d]`: where the fused CPU op runs,
+//! [`SequenceSplit::around_pair`] frees it after the forward and gathers it again in the
+//! backward, so that a block keeps only the `[B, T/p, d]` slice (the composed twin, the
+//! path of other devices, keeps the gathered input).
 
 use std::sync::{Arc, Mutex};
 
-use candle_core::{Result, Tensor, Var};
+use candle_core::{DType, Result, Tensor, Var};
 use switchyard_ops::{PairOptions, PairWeights};
 
 use crate::collectives::{copy_to_region, gather_seq, reduce_scatter_seq, scatter_to_region};
@@ -74,6 +75,16 @@ impl SequenceSplit {
     /// has completed on this rank, which means every rank has entered it and so has
     /// returned from the collectives before it: none reads those tensors any more (the
     /// in-process backend reads its peers' inputs where they are).
+    /// Lets go of what waits to be freed, without freeing it in place (no collective
+    /// may have completed since): for the end of a step, so that the last pair's
+    /// partial output lives no longer than the graphs that hold it.
+    pub fn end_step(&self) {
+        self.pending
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
+    }
+
     fn free_pending(&self) -> Result<()> {
         let pending = std::mem::take(&mut *self.pending.lock().unwrap_or_else(|e| e.into_inner()));
         for t in &pending {
@@ -135,7 +146,12 @@ impl SequenceSplit {
         };
         let full = self.gather(x)?;
         self.free_pending()?;
-        let regathers = w.runs_fused(&full, &opts);
+        // Only a tracked input has a backward to gather it again for; an untracked one's
+        // `full` may be the in-process all-gather's output, which every rank shares.
+        // bf16 activations are kept as they are (half the bytes already).
+        let regathers = x.track_op()
+            && matches!(full.dtype(), DType::F32 | DType::F64)
+            && w.runs_fused(&full, &opts);
         if regathers {
             let (slice, c) = (x.detach(), c.clone());
             opts.input_again = Some(Arc::new(move || Ok(c.all_gather(&slice, SEQUENCE_DIM)?)));

@@ -12,8 +12,9 @@ use common::*;
 use switchyard_comm::{local, Communicator, Counting};
 use switchyard_ops::layer_norm;
 use switchyard_shard::{
-    vocab_parallel_cross_entropy, Builder, ColumnParallelLinear, Init, LayerInit, ParallelMlp,
-    ParallelSelfAttention, ParamSource, ParamStore, ShardSpec, VocabParallelEmbedding,
+    vocab_parallel_cross_entropy, Builder, ColumnParallelLinear, Init, LayerInit, OpsBackend,
+    ParallelMlp, ParallelSelfAttention, ParamSource, ParamStore, Precision, SequenceSplit,
+    ShardSpec, VocabParallelEmbedding,
 };
 
 const D: usize = 32;
@@ -37,6 +38,9 @@ struct Block {
     attn: ParallelSelfAttention,
     ln_2: (Var, Var),
     mlp: ParallelMlp,
+    /// The builder's sequence split: the block takes the whole `[B, T, D]`, splits it
+    /// and returns this rank's positions.
+    seq: SequenceSplit,
 }
 
 fn ln_params(vb: &Builder) -> Result<(Var, Var)> {
@@ -53,12 +57,22 @@ impl Block {
             attn: ParallelSelfAttention::new(vb, comm.clone(), D, HEADS, init())?,
             ln_2: ln_params(&vb.pp("ln_2"))?,
             mlp: ParallelMlp::new(vb, comm.clone(), D, 4 * D, init())?,
+            seq: SequenceSplit::new(vb, comm.clone()),
         })
     }
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let ln = |x: &Tensor, p: &(Var, Var)| layer_norm(x, p.0.as_tensor(), p.1.as_tensor(), 1e-5);
-        let h = (x + self.attn.forward(&ln(x, &self.ln_1)?)?)?;
+        let seq = &self.seq;
+        let ln = |x: &Tensor, p: &(Var, Var)| {
+            layer_norm(
+                x,
+                &seq.param(p.0.as_tensor())?,
+                &seq.param(p.1.as_tensor())?,
+                1e-5,
+            )
+        };
+        let x = seq.split(x)?;
+        let h = (&x + self.attn.forward(&ln(&x, &self.ln_1)?)?)?;
         &h + self.mlp.forward(&ln(&h, &self.ln_2)?)?
     }
 }
@@ -146,6 +160,103 @@ fn a_block_costs_two_all_reduces_forward_and_two_backward() {
                 want,
                 "backward tp={tp} rank={rank}"
             );
+        }
+    }
+}
+
+/// Sequence parallelism: the block on this rank's positions (its output split along the
+/// sequence) gives the single-device output, input gradient and parameter gradients (the
+/// replicated ones complete and equal on every rank), with the fused ops (which gather
+/// their freed input again in the backward) and the composed ones.
+#[test]
+fn a_sequence_parallel_block_matches_single_device() {
+    for dtype in DTYPES {
+        let x_full = rand_tensor(6, &[B, T, D], 1.0, dtype);
+        let r = rand_tensor(7, &[B, T, D], 1.0, dtype);
+        let mut p = RefParams::new(dtype);
+        let x = var(&x_full);
+        let y = ref_block(&mut p, "transformer.h.0", x.as_tensor());
+        let reference = reference(&p, y, Some(&x), &r);
+        for ops in OpsBackend::ALL {
+            for tp in TPS {
+                let out = ShardSpec::split(1);
+                let ranks = run_parallel(tp, dtype, out, &r, |comm, store| {
+                    store.set_sequence_parallel(true);
+                    let vb = store.builder().with_ops(ops).pp("transformer.h.0");
+                    let block = Block::new(&vb, comm)?;
+                    assert_eq!(block.seq.is_on(), tp > 1);
+                    let x = var(&x_full);
+                    Ok((block.forward(x.as_tensor())?, Some(x)))
+                });
+                let case = format!("sequence-parallel block, {ops}");
+                check_parity(&case, dtype, &ranks, out, &reference, ShardSpec::Replicated);
+            }
+        }
+    }
+}
+
+/// Under sequence parallelism a block's collectives: forward 2 all-gathers and 2
+/// reduce-scatters; backward their conjugates, the 2 inputs gathered again, and one
+/// all-reduce per replicated parameter (4 LayerNorm, 2 bias).
+#[test]
+fn a_sequence_parallel_block_costs_its_all_gathers_and_reduce_scatters() {
+    let x_full = rand_tensor(8, &[B, T, D], 1.0, DType::F32);
+    let counts = run_tp(2, |comm| {
+        let (comm, counts) = Counting::wrap(comm);
+        let store = store(&comm, DType::F32);
+        store.set_sequence_parallel(true);
+        let block = Block::new(&store.builder().pp("transformer.h.0"), &comm)?;
+        let x = var(&x_full);
+        counts.reset();
+        let y = block.forward(x.as_tensor())?;
+        let fwd = counts.snapshot();
+        counts.reset();
+        y.sqr()?.sum_all()?.backward()?;
+        Ok((fwd, counts.snapshot()))
+    });
+    for (rank, (fwd, bwd)) in counts.iter().enumerate() {
+        let fwd: Vec<_> = fwd.clone().into_iter().collect();
+        let bwd: Vec<_> = bwd.clone().into_iter().collect();
+        let want_fwd = vec![("all_gather", 2), ("reduce_scatter", 2)];
+        let want_bwd = vec![("all_gather", 5), ("all_reduce", 6), ("reduce_scatter", 2)];
+        assert_eq!(fwd, want_fwd, "forward rank {rank}");
+        // The split's backward (an all-gather of the input gradient) comes on top.
+        assert_eq!(bwd, want_bwd, "backward rank {rank}");
+    }
+}
+
+/// An input that tracks no gradient (inference), and bf16 activations at bf16
+/// precision, run under sequence parallelism and give this rank's positions of the
+/// output without it.
+#[test]
+fn a_sequence_parallel_block_takes_untracked_and_bf16_inputs() {
+    for (dtype, precision, tol) in [
+        (DType::F32, Precision::F32, 1e-5),
+        (DType::BF16, Precision::Bf16, 2e-2),
+    ] {
+        let x_full = rand_tensor(9, &[B, T, D], 1.0, DType::F32)
+            .to_dtype(dtype)
+            .unwrap();
+        let outs = run_tp(2, |comm| {
+            let mut ys = Vec::new();
+            for sp in [false, true] {
+                let store = store(&comm, DType::F32);
+                store.set_sequence_parallel(sp);
+                let vb = store
+                    .builder()
+                    .with_precision(precision)
+                    .pp("transformer.h.0");
+                let block = Block::new(&vb, &comm)?;
+                ys.push(block.forward(&x_full)?.to_dtype(DType::F32)?);
+            }
+            Ok(ys)
+        });
+        for (rank, ys) in outs.iter().enumerate() {
+            let whole = ys[0].narrow(1, rank * T / 2, T / 2).unwrap();
+            let e = (&ys[1] - &whole).unwrap().abs().unwrap().max_all().unwrap();
+            let m = whole.abs().unwrap().max_all().unwrap();
+            let e = e.to_scalar::<f32>().unwrap() / m.to_scalar::<f32>().unwrap();
+            assert!(e <= tol, "{dtype:?} rank {rank}: relative error {e:.2e}");
         }
     }
 }

@@ -195,30 +195,13 @@ fn the_report_metrics_and_trace_show_the_all_reduce() {
 fn a_replica_that_fails_mid_all_reduce_fails_the_others_cleanly() {
     let c = tiny(2, 1, 1, "1f1b");
     assert!(c.overlap_grad_reduce, "the default");
-    let corpus = Corpus::bundled();
-    let outcomes = Launcher::new(c.world_size())
-        .threads_per_worker(1)
-        .run_each(|world: Arc<dyn Communicator>| {
-            let me = world.rank();
-            let mut w = Worker::new(world, &c, &corpus, ParamSource::Init { seed: c.seed })?;
-            w.step(0)?.expect("finite");
-            if me == 1 {
-                return Err(TrainError::Config("rank 1 fails on purpose".into()));
-            }
-            w.step(1)?.expect("finite");
-            Ok(())
-        });
-    let e = outcomes[0]
-        .as_ref()
-        .expect_err("rank 0 cannot finish its step");
-    for want in [
-        "data-parallel gradient all-reduce of bucket",
-        "all_reduce",
-        "rank 0",
-        "rank 1",
-    ] {
-        assert!(e.message.contains(want), "{want:?} in {}", e.message);
-    }
-    let e = outcomes[1].as_ref().expect_err("rank 1 failed");
-    assert!(e.message.contains("on purpose"), "{}", e.message);
+    assert_a_failed_rank_fails_the_other(
+        &c,
+        &[
+            "data-parallel gradient all-reduce of bucket",
+            "all_reduce",
+            "rank 0",
+            "rank 1",
+        ],
+    );
 }

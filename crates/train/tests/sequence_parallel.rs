@@ -3,6 +3,9 @@
 //! single-device reference as plain tensor parallelism does (1e-5 after a step, 1e-4
 //! over a 20-step curve), composes with recomputation, ZeRO, the overlapped all-reduce,
 //! a tied table and bf16, and refuses what it cannot run before any worker starts.
+//! That the split is on (plain tensor parallelism passes these too): `tests/estimate.rs`
+//! measures the activations it divides, and switchyard-shard's `tests/block.rs` counts a
+//! block's all-gathers and reduce-scatters.
 
 mod common;
 
@@ -130,4 +133,14 @@ fn a_sequence_the_tensor_parallel_ranks_cannot_split_is_refused_before_any_work(
     let mut c = sp(tiny(1, 2, 1, "1f1b"));
     c.seq_len = 7;
     c.validate().unwrap();
+}
+
+/// No hangs: a tensor-parallel rank that fails makes the other's next step fail at its
+/// first collective, with an error naming it and both ranks.
+#[test]
+fn a_rank_that_fails_fails_the_other_cleanly() {
+    assert_a_failed_rank_fails_the_other(
+        &sp(tiny(1, 1, 2, "1f1b")),
+        &["all_reduce", "rank 0", "tp[0,1]", "rank 1"],
+    );
 }

@@ -564,32 +564,14 @@ fn a_non_finite_gradient_stops_every_rank_under_zero() {
 fn a_replica_that_fails_mid_prefetch_fails_the_others_cleanly() {
     let c = with_zero(&tiny(2, 1, 1, "1f1b"), 3);
     assert!(c.zero_prefetch, "the default");
-    let corpus = Corpus::bundled();
-    let outcomes = Launcher::new(c.world_size())
-        .threads_per_worker(1)
-        .run_each(|world: Arc<dyn Communicator>| {
-            let me = world.rank();
-            let mut w = Worker::new(world, &c, &corpus, ParamSource::Init { seed: c.seed })?;
-            // The first step records the order of the gathers.
-            w.step(0)?.expect("finite");
-            if me == 1 {
-                return Err(TrainError::Config("rank 1 fails on purpose".into()));
-            }
-            // Rank 0's second step starts by prefetching its first segment from rank 1.
-            w.step(1)?.expect("finite");
-            Ok(())
-        });
-    let e = outcomes[0]
-        .as_ref()
-        .expect_err("rank 0 cannot finish its step");
-    for want in [
-        "ZeRO 3: prefetching bucket",
-        "all_gather",
-        "rank 0",
-        "rank 1",
-    ] {
-        assert!(e.message.contains(want), "{want:?} in {}", e.message);
-    }
-    let e = outcomes[1].as_ref().expect_err("rank 1 failed");
-    assert!(e.message.contains("on purpose"), "{}", e.message);
+    // Rank 0's second step starts by prefetching its first segment from rank 1.
+    assert_a_failed_rank_fails_the_other(
+        &c,
+        &[
+            "ZeRO 3: prefetching bucket",
+            "all_gather",
+            "rank 0",
+            "rank 1",
+        ],
+    );
 }

@@ -273,6 +273,8 @@ pub fn predict_step_time<M: Model>(
     let shared = cfg.world_size() > 1;
     let activation = tokens * m.width().unwrap_or(0) as f64 * 4.0;
     let all_reduce = |bytes: f64| tm.collective.all_reduce(bytes, cfg.tp);
+    let width = m.width().unwrap_or(0) as f64 * 4.0;
+    let sequence_parallel = cfg.sequence_parallel && cfg.tp > 1;
     let flops = |p: &StagePlan| stage_flops(&costs, p);
     let total_flops = costs.embed + costs.blocks.iter().sum::<f64>() + costs.head;
     let shapes = m.param_shapes()?;
@@ -329,7 +331,13 @@ pub fn predict_step_time<M: Model>(
             let compute = k * tm.part_seconds(m.width(), x, threads, shared);
             let layers = p.blocks.len() as f64;
             let mut fwd = 2.0 * layers * all_reduce(activation);
-            let mut bwd = fwd;
+            // Sequence parallelism: an all-gather and a reduce-scatter move an
+            // all-reduce's bytes; the backward also gathers the two freed inputs again
+            // (half an all-reduce each) and sums six replicated parameters' gradients.
+            let mut bwd = match sequence_parallel {
+                true => 3.0 * layers * all_reduce(activation) + 6.0 * layers * all_reduce(width),
+                false => fwd,
+            };
             if p.embed {
                 fwd += all_reduce(activation);
             }
@@ -353,7 +361,13 @@ pub fn predict_step_time<M: Model>(
         })
         .collect();
     let comm = if program.num_ranks() > 1 {
-        tm.p2p.time(activation) / 2.0
+        // Under sequence parallelism a stage sends its rank's positions only.
+        let split = if sequence_parallel {
+            cfg.tp as f64
+        } else {
+            1.0
+        };
+        tm.p2p.time(activation / split) / 2.0
     } else {
         0.0
     };

@@ -21,7 +21,8 @@
 //! stage 3 skips the all-gather: the next step gathers each segment's parameters just
 //! before it runs.
 //!
-//! The files: this one builds a worker and runs a step; `grads.rs` sums gradients over
+//! The files: this one builds a worker and runs a step; `pass.rs` runs the step's
+//! pipeline pass with the hooks that reduce gradients during it; `grads.rs` sums gradients over
 //! replicas and tied copies and gathers ZeRO 3's parameters whole ([`Worker::gathered`]);
 //! `validation.rs` scores the validation split; `state.rs` is the checkpoint's part.
 
@@ -32,98 +33,25 @@ use std::time::Instant;
 use candle_core::{DType, Device, Tensor, TensorId, Var};
 use switchyard_comm::{Communicator, Mesh};
 use switchyard_mem::Category;
-use switchyard_models::{plan_stages, Model, ModelStage};
-use switchyard_pipeline::{CheckedProgram, Executor, Microbatches, Stage, StepStats};
+use switchyard_models::{plan_stages, Model};
+use switchyard_pipeline::{CheckedProgram, Stage, StepStats};
 use switchyard_schedule::Program;
 use switchyard_shard::{Param, ParamSource, ParamStore, ShardSpec};
 
-use crate::data::{Dataset, Sampler};
+use crate::data::Dataset;
 use crate::error::{fail, Context, Result};
 use crate::optim::{sum_sq, AdamW, LrSchedule};
-use crate::zero::{self, Optimizer, Prefetcher, ShardedAdamW, Units, ZeroHooks};
+use crate::zero::{self, Optimizer, Prefetcher, ShardedAdamW, Units};
 use crate::{Recompute, TrainConfig};
 
 mod grads;
 mod overlap;
+mod pass;
 mod state;
 mod validation;
 
 pub use overlap::{GradReduceStats, GradReducer, ReduceSpan};
-use overlap::{ReduceHooks, Reduced};
-
-/// Which hooks a pipeline pass runs with.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Hooks {
-    /// None: the gradients come back whole, not summed over anything.
-    Plain,
-    /// ZeRO 2 and 3: each segment's bucket reduce-scattered as its backward ends.
-    Zero,
-    /// `overlap_grad_reduce`: each segment's bucket all-reduced on the communication
-    /// thread once the last microbatch made it final.
-    Overlap,
-}
-
-/// What one pipeline pass of a step produced on this rank.
-struct Pass {
-    /// Per parameter, this rank's gradient (`None` where the hooks took it).
-    grads: Vec<Option<Tensor>>,
-    /// The losses of the microbatches that ended here.
-    losses: Vec<f64>,
-    stats: StepStats,
-    /// ZeRO 2 and 3: this replica's summed shard of every bucket.
-    shards: Option<Vec<Tensor>>,
-    /// `overlap_grad_reduce`: the buckets already summed over the replicas.
-    reduced: Option<Reduced>,
-}
-
-/// A model's stage as the executor sees it: its own parameters and the tied ones it
-/// uses without having created them.
-struct Wrapped<'a, S> {
-    stage: &'a S,
-    params: &'a [Var],
-    /// ZeRO 3: the parameters are empty at the step's start, so nothing is derived from
-    /// them for the whole step (segments derive theirs when gathered).
-    zero3: bool,
-}
-
-impl<S: ModelStage> Stage for Wrapped<'_, S> {
-    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        self.stage.forward(x)
-    }
-    fn num_segments(&self) -> usize {
-        self.stage.num_segments()
-    }
-    fn forward_segment(&self, i: usize, x: &Tensor) -> candle_core::Result<Tensor> {
-        self.stage.forward_segment(i, x)
-    }
-    fn split_backward(&self, split: bool) {
-        self.stage.split_backward(split)
-    }
-    fn backward_weights(&self, microbatch: u32) -> candle_core::Result<Vec<(Var, Tensor)>> {
-        self.stage.backward_weights(microbatch)
-    }
-    fn params(&self) -> &[Var] {
-        self.params
-    }
-    fn segment_params(&self, i: usize) -> Vec<Var> {
-        self.stage.segment_params(i)
-    }
-    fn begin_segment(&self, i: usize) -> candle_core::Result<()> {
-        self.stage.begin_segment(i)
-    }
-    fn release_segment(&self, i: usize) -> candle_core::Result<()> {
-        self.stage.release_segment(i)
-    }
-    fn begin_step(&self) -> candle_core::Result<()> {
-        match self.zero3 {
-            true => Ok(()),
-            false => self.stage.begin_step(),
-        }
-    }
-    fn end_step(&self) {
-        self.stage.end_step()
-    }
-}
+use pass::Hooks;
 
 /// What one step measured.
 #[derive(Debug, Clone)]
@@ -397,137 +325,6 @@ impl<'a, M: Model> Worker<'a, M> {
         let mut pass = self.run_pipeline(step, Hooks::Overlap)?;
         self.sync_grads_after(&mut pass.grads, pass.reduced)?;
         Ok((pass.grads, pass.losses, pass.stats))
-    }
-
-    /// [`Worker::compute_grads`] with `hooks`: under [`Hooks::Zero`] the gradients of
-    /// the segments' buckets come back as this replica's summed shards, under
-    /// [`Hooks::Overlap`] summed over the replicas; the resident parameters' in
-    /// [`Pass::grads`] in both.
-    fn run_pipeline(&self, step: usize, hooks: Hooks) -> Result<Pass> {
-        let c = &self.cfg;
-        let (m, mbs) = (c.microbatches, c.microbatch_size());
-        let per_replica = c.batch / c.dp;
-        let first = self.mesh.coord.dp * per_replica;
-        let (x, y) = self
-            .data
-            .batch(&Sampler::of(c), step, first..first + per_replica)?;
-        let (x, y) = (self.on_device(&x)?, self.on_device(&y)?);
-        let inputs = (0..m)
-            .map(|i| x.narrow(0, i * mbs, mbs))
-            .collect::<candle_core::Result<Vec<_>>>()?;
-        let targets = (0..m)
-            .map(|i| y.narrow(0, i * mbs, mbs))
-            .collect::<candle_core::Result<Vec<_>>>()?;
-        let last = self.program().num_stages - 1;
-        let head = self.stages.iter().find(|(s, _)| *s == last).map(|(_, g)| g);
-        let loss = |out: &Tensor, mb: usize| match head {
-            Some(h) => h.loss(out, &targets[mb]),
-            None => {
-                candle_core::bail!("the loss runs on the last stage, which is not on this rank")
-            }
-        };
-        let wrapped: Vec<Wrapped<M::Stage>> = self
-            .stages
-            .iter()
-            .zip(&self.stage_params)
-            .map(|((_, stage), params)| Wrapped {
-                stage,
-                params,
-                zero3: self.cfg.zero == 3,
-            })
-            .collect();
-        let refs: Vec<(u32, &dyn Stage)> = self
-            .stages
-            .iter()
-            .zip(&wrapped)
-            .map(|((s, _), w)| (*s, w as &dyn Stage))
-            .collect();
-        let zero_hooks = match (hooks, &self.units, &self.opt) {
-            (Hooks::Zero, Some(units), Optimizer::Sharded(o)) => Some(ZeroHooks::new(
-                units,
-                o,
-                &*self.mesh.dp,
-                &refs,
-                &self.index,
-                self.prefetcher.as_ref(),
-            )?),
-            _ => None,
-        };
-        let reduce_hooks = match (hooks, &self.overlap) {
-            (Hooks::Overlap, Some((units, reducer))) => Some(ReduceHooks::new(
-                reducer,
-                units,
-                &self.params,
-                &refs,
-                &self.index,
-                m,
-            )),
-            _ => None,
-        };
-        let mut exec = Executor::with_checked(&self.program, &*self.mesh.pp, refs)?
-            .with_epoch(self.epoch)
-            .with_recompute(self.cfg.recompute == Recompute::Full);
-        if let Some(h) = &zero_hooks {
-            exec = exec.with_hooks(h);
-        }
-        if let Some(h) = &reduce_hooks {
-            exec = exec.with_hooks(h);
-        }
-        let microbatches = Microbatches {
-            inputs,
-            loss: &loss,
-            loss_scale: 1.0 / (m * c.dp) as f64,
-        };
-        // ZeRO 3: the resident parameters stay whole for the step.
-        let out = match (&zero_hooks, &self.units, &self.opt) {
-            (Some(_), Some(units), Optimizer::Sharded(o)) if o.held.is_some() => {
-                self.with_buckets(o, &units.resident, || Ok(exec.run(&microbatches)?))?
-            }
-            _ => exec.run(&microbatches)?,
-        };
-        let mut grads: Vec<Option<Tensor>> = vec![None; self.params.len()];
-        for ((_, gs), w) in out.grads.into_iter().zip(&wrapped) {
-            for (g, v) in gs.into_iter().zip(w.params) {
-                let (Some(g), Some(&i)) = (g, self.index.get(&v.id())) else {
-                    continue;
-                };
-                grads[i] = Some(match grads[i].take() {
-                    Some(prev) => (prev + g)?,
-                    None => g,
-                });
-            }
-        }
-        let losses = out.losses.into_iter().map(|(_, l)| l).collect();
-        let shards = zero_hooks.map(ZeroHooks::into_shards).transpose()?;
-        let reduced = reduce_hooks.map(|h| h.finish(self.epoch)).transpose()?;
-        Ok(Pass {
-            grads,
-            losses,
-            stats: out.stats,
-            shards,
-            reduced,
-        })
-    }
-
-    /// Fills in `g`'s exposed communication and imbalance from the rows of every rank
-    /// (`[.., pipeline end, all-reduces done]`) of this rank's data-parallel group.
-    fn group_times(&self, g: &mut GradReduceStats, rows: &[&[f64]]) {
-        let mesh = self.cfg.mesh();
-        let me = self.mesh.coord;
-        let group: Vec<(f64, f64)> = rows
-            .iter()
-            .enumerate()
-            .filter(|&(r, _)| {
-                let c = mesh.coord(r);
-                (c.pp, c.tp) == (me.pp, me.tp)
-            })
-            .map(|(_, x)| (x[x.len() - 2], x[x.len() - 1]))
-            .collect();
-        let max = |f: &dyn Fn(&(f64, f64)) -> f64| group.iter().map(f).fold(f64::MIN, f64::max);
-        let min_end = group.iter().map(|x| x.0).fold(f64::MAX, f64::min);
-        let us = |x: f64| std::time::Duration::from_secs_f64(x.max(0.0) / 1e6);
-        g.exposed = us(max(&|x| x.1) - max(&|x| x.0));
-        g.imbalance = us(max(&|x| x.0) - min_end);
     }
 
     /// One full training step (see the module docs). Collective over the world.

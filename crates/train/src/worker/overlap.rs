@@ -270,17 +270,13 @@ impl SegmentHooks for ReduceHooks<'_> {
         };
         let _gradients = switchyard_mem::scope(Category::Gradients);
         let mut sums = self.sums.lock().unwrap_or_else(|e| e.into_inner());
-        for (j, &p) in self.stages[&stage].iter().enumerate() {
-            if self.units.owner[p] != Some((stage, segment)) {
-                continue;
-            }
-            if let Some(g) = grads[j].take() {
-                let sum = match sums.grads.remove(&p) {
-                    Some(prev) => (prev + g)?,
-                    None => g,
-                };
-                sums.grads.insert(p, sum);
-            }
+        let idx = &self.stages[&stage];
+        for (p, g) in self.units.take_owned((stage, segment), idx, grads) {
+            let sum = match sums.grads.remove(&p) {
+                Some(prev) => (prev + g)?,
+                None => g,
+            };
+            sums.grads.insert(p, sum);
         }
         let seen = sums.seen.entry((stage, segment)).or_insert(0);
         *seen += 1;

@@ -47,6 +47,22 @@ pub struct Units {
 }
 
 impl Units {
+    /// Takes out of `grads` (the executor's gradients of a stage's parameters, whose
+    /// indices are `idx`) those of the parameters segment `segment` of `stage` owns,
+    /// with their indices; the rest (resident, or another segment's) stay.
+    pub fn take_owned(
+        &self,
+        (stage, segment): (u32, usize),
+        idx: &[usize],
+        grads: &mut [Option<Tensor>],
+    ) -> Vec<(usize, Tensor)> {
+        idx.iter()
+            .zip(grads.iter_mut())
+            .filter(|(&p, _)| self.owner[p] == Some((stage, segment)))
+            .filter_map(|(&p, g)| g.take().map(|g| (p, g)))
+            .collect()
+    }
+
     /// Cuts a rank's parameters (`sizes`, by index; `index` maps a variable to its
     /// index) by the segments of its `stages` that use them; `pinned` parameters are
     /// resident whatever uses them.
@@ -230,16 +246,13 @@ impl SegmentHooks for ZeroHooks<'_> {
         let Some(&k) = self.units.bucket_of.get(&(stage, segment)) else {
             return Ok(());
         };
-        let idx = &self.stages[&stage].1;
         // The segment's own parameters, by index; the rest (resident) stay in `grads`.
-        let mut mine: HashMap<usize, Tensor> = HashMap::new();
-        for (j, &p) in idx.iter().enumerate() {
-            if self.units.owner[p] == Some((stage, segment)) {
-                if let Some(g) = grads[j].take() {
-                    mine.insert(p, g);
-                }
-            }
-        }
+        let idx = &self.stages[&stage].1;
+        let mut mine: HashMap<usize, Tensor> = self
+            .units
+            .take_owned((stage, segment), idx, grads)
+            .into_iter()
+            .collect();
         let _gradients = switchyard_mem::scope(Category::Gradients);
         let b = &self.opt.layout.buckets[k];
         let shard = scatter_bucket(b, self.opt.layout.dp, self.dp, |p| mine.remove(&p))

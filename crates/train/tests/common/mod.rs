@@ -208,3 +208,33 @@ pub fn padding_after_steps(
         .unwrap_or_else(|e| panic!("{e}"));
     outs.into_iter().flatten().collect()
 }
+
+/// No hangs: `c` (two workers) trains a step; then rank 1 fails on purpose and rank 0's
+/// next step must fail too, with an error naming each of `want` (the operation, the
+/// ranks), not wait for it.
+pub fn assert_a_failed_rank_fails_the_other(c: &TrainConfig<GptConfig>, want: &[&str]) {
+    assert_eq!(c.world_size(), 2, "two workers");
+    let corpus = Corpus::bundled();
+    let outcomes = Launcher::new(c.world_size())
+        .threads_per_worker(1)
+        .run_each(|world: std::sync::Arc<dyn switchyard_comm::Communicator>| {
+            let me = world.rank();
+            let mut w = Worker::new(world, c, &corpus, ParamSource::Init { seed: c.seed })?;
+            w.step(0)?.expect("finite");
+            if me == 1 {
+                return Err(switchyard_train::TrainError::Config(
+                    "rank 1 fails on purpose".into(),
+                ));
+            }
+            w.step(1)?.expect("finite");
+            Ok(())
+        });
+    let e = outcomes[0]
+        .as_ref()
+        .expect_err("rank 0 cannot finish its step");
+    for w in want {
+        assert!(e.message.contains(w), "{w:?} in {}", e.message);
+    }
+    let e = outcomes[1].as_ref().expect_err("rank 1 failed");
+    assert!(e.message.contains("on purpose"), "{}", e.message);
+}
