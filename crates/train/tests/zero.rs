@@ -264,7 +264,7 @@ fn zero_two_and_three_work_with_every_layout_schedule_and_recomputation() {
 fn dp_traffic(
     cfg: &TrainConfig<GptConfig>,
     steps: usize,
-) -> Vec<(usize, [Traffic; 4], Vec<usize>, Option<Units>)> {
+) -> Vec<(usize, [Traffic; 5], Vec<usize>, Option<Units>)> {
     let corpus = Corpus::bundled();
     Launcher::new(cfg.world_size())
         .threads_per_worker(1)
@@ -275,14 +275,22 @@ fn dp_traffic(
                 w.step(step)?.expect("finite");
             }
             let t = |op| counts.traffic("dp", op);
+            // ZeRO 2 and 3's reduce-scatters on their thread (`overlap_grad_reduce`).
+            let thread = counts.traffic("dp/zero-scatter", "reduce_scatter");
+            let rs = t("reduce_scatter");
+            let rs_all = Traffic {
+                calls: rs.calls + thread.calls,
+                bytes: rs.bytes + thread.bytes,
+            };
             let sizes = w.params().iter().map(|p| p.var.elem_count()).collect();
             Ok::<_, TrainError>((
                 w.mesh.world.rank(),
                 [
                     t("all_reduce"),
-                    t("reduce_scatter"),
+                    rs_all,
                     t("all_gather"),
                     counts.traffic("dp/prefetch", "all_gather"),
+                    thread,
                 ],
                 sizes,
                 w.zero_units().cloned(),
@@ -306,7 +314,7 @@ fn zero_moves_the_bytes_of_the_all_reduce() {
         // Stage 1: the buckets of stage 0, reduce-scattered and gathered once a step.
         let zero = 1;
         let got = dp_traffic(&with_zero(&c, zero), steps);
-        for ((rank, want, sizes, _), (_, [ar, rs, ag, _], _, _)) in base.iter().zip(&got) {
+        for ((rank, want, sizes, _), (_, [ar, rs, ag, ..], _, _)) in base.iter().zip(&got) {
             let what = format!("dp {dp} pp {pp} tp {tp} zero {zero} rank {rank}");
             let layout = Layout::new(sizes, bucket_mib, dp, 0);
             let n = layout.buckets.len();
@@ -363,14 +371,22 @@ fn zero_two_and_three_scatter_every_microbatch_and_three_gathers_every_use() {
         c.model.tied_embeddings = true;
         let (steps, m) = (2, c.microbatches);
         let base = dp_traffic(&all_reduce_after_backward(&c), steps);
-        for (zero, prefetch) in [(2, false), (3, false), (3, true)] {
+        for (zero, prefetch, overlap) in [
+            (2, false, true),
+            (2, false, false),
+            (3, false, true),
+            (3, true, false),
+        ] {
             let mut z = with_zero(&c, zero);
             z.zero_prefetch = prefetch;
+            z.overlap_grad_reduce = overlap;
             let got = dp_traffic(&z, steps);
-            for ((rank, want, ..), (_, [ar, rs, ag, ahead], sizes, units)) in base.iter().zip(&got)
+            for ((rank, want, ..), (_, [ar, rs, ag, ahead, thread], sizes, units)) in
+                base.iter().zip(&got)
             {
                 let what = format!(
-                    "dp {dp} pp {pp} tp {tp} {schedule} zero {zero} prefetch {prefetch} rank {rank}"
+                    "dp {dp} pp {pp} tp {tp} {schedule} zero {zero} prefetch {prefetch} \
+                     overlap {overlap} rank {rank}"
                 );
                 let units = units.as_ref().expect("units under ZeRO 2 and 3");
                 let layout = Layout::of_groups(units.groups.clone(), sizes, dp, 0);
@@ -398,6 +414,15 @@ fn zero_two_and_three_scatter_every_microbatch_and_three_gathers_every_use() {
                 // resident ones once per step.
                 let scatter = add(sum(&segments, m, steps), sum(&units.resident, 1, steps));
                 assert_eq!(*rs, scatter, "{what}: the reduce-scatter");
+                // With overlap the segments' go on the thread, the resident ones not.
+                let threaded = match overlap {
+                    true => sum(&segments, m, steps),
+                    false => Traffic::default(),
+                };
+                assert_eq!(
+                    *thread, threaded,
+                    "{what}: the reduce-scatters on the thread"
+                );
                 // Stage 2 gathers the updated shards once per step; stage 3 gathers a
                 // segment's parameters before its forward and before its backward (a
                 // recomputed forward runs inside the backward's), the resident ones once.
@@ -570,6 +595,50 @@ fn a_replica_that_fails_mid_prefetch_fails_the_others_cleanly() {
         &[
             "ZeRO 3: prefetching bucket",
             "all_gather",
+            "rank 0",
+            "rank 1",
+        ],
+    );
+}
+
+/// ZeRO 2 and 3's reduce-scatters on their communication thread (`overlap_grad_reduce`,
+/// the default) add the same shards in the same order as on the rank's own thread: the
+/// losses of every step are equal to the bit.
+#[test]
+fn reduce_scatters_on_the_thread_train_the_same_losses_bit_for_bit() {
+    for (dp, pp, tp, s) in [(2, 1, 1, "1f1b"), (2, 2, 1, "zb-h1"), (2, 1, 2, "1f1b")] {
+        for zero in [2, 3] {
+            let mut c = with_zero(&tiny(dp, pp, tp, s), zero);
+            c.steps = 3;
+            let losses = |overlap: bool| -> Vec<f64> {
+                let c = TrainConfig {
+                    overlap_grad_reduce: overlap,
+                    ..c.clone()
+                };
+                let r = train(&c, &Corpus::bundled(), &TrainOptions::default()).unwrap();
+                r.steps.iter().map(|s| s.loss).collect()
+            };
+            assert_eq!(
+                losses(true),
+                losses(false),
+                "dp {dp} pp {pp} tp {tp} {s} zero {zero}"
+            );
+        }
+    }
+}
+
+/// No hangs: a replica that fails while the other's reduce-scatter thread works on a
+/// bucket makes that step fail with an error naming the reduce-scatter, the bucket and
+/// both ranks.
+#[test]
+fn a_replica_that_fails_mid_reduce_scatter_fails_the_others_cleanly() {
+    let c = with_zero(&tiny(2, 1, 1, "1f1b"), 2);
+    assert!(c.overlaps_reduce_scatter(), "the default");
+    assert_a_failed_rank_fails_the_other(
+        &c,
+        &[
+            "ZeRO: the gradient reduce-scatter of bucket",
+            "reduce_scatter",
             "rank 0",
             "rank 1",
         ],

@@ -85,8 +85,10 @@ pub struct TrainConfig<M> {
     /// microbatch's backward has made them final, while the backward of the segments
     /// before it still runs (`true`, the default; PyTorch DDP's and Megatron's
     /// `overlap_grad_reduce`), or all of them after the pipeline, `bucket_mib` at a time
-    /// (`false`). The sums are the same either way. Absent in configurations and
-    /// manifests written before it existed (`true`).
+    /// (`false`). The sums are the same either way. With ZeRO 2 and 3, each segment's
+    /// reduce-scatter runs on a communication thread while the backward goes on
+    /// ([`crate::zero::Scatterer`]), or on the rank's own thread (`false`). Absent in
+    /// configurations and manifests written before it existed (`true`).
     pub overlap_grad_reduce: bool,
     /// Bound on any single blocking communication, in seconds.
     pub comm_timeout_secs: f64,
@@ -201,6 +203,13 @@ impl<M> TrainConfig<M> {
     /// segment, for its hooks.
     pub fn overlaps_grad_reduce(&self) -> bool {
         self.overlap_grad_reduce && self.zero == 0 && self.dp > 1
+    }
+
+    /// Whether ZeRO 2 and 3's reduce-scatters run on a communication thread during the
+    /// backward ([`crate::zero::Scatterer`]): `overlap_grad_reduce` with stage 2 or 3 and
+    /// replicas.
+    pub fn overlaps_reduce_scatter(&self) -> bool {
+        self.overlap_grad_reduce && self.zero >= 2 && self.dp > 1
     }
 
     pub fn tokens_per_step(&self) -> usize {

@@ -343,6 +343,9 @@ pub fn estimate_memory<M: Model>(cfg: &TrainConfig<M>) -> Result<Vec<RankEstimat
                 Op::B | Op::I if segmented => {
                     // Segment by segment: one segment's new gradients and what flows
                     // back; as its backward ends, the bucket they are flattened into.
+                    // On the reduce-scatter thread (`overlap_grad_reduce`) the bucket
+                    // before is in flight while a segment computes instead: the same
+                    // bytes.
                     t.comm = ELEM * segment;
                     t.observe(ELEM * segment + b.backward, 0);
                     t.comm = 0;

@@ -345,7 +345,14 @@ pub fn predict_step_time<M: Model>(
                 fwd += 2.0 * all_reduce(tokens * 4.0);
                 bwd += all_reduce(activation);
             }
-            let (mut gf, mut gb, sb) = zero_comm(p);
+            let (mut gf, mut gb, mut sb) = zero_comm(p);
+            // On the reduce-scatter thread each segment's runs while the segment before
+            // computes its backward: only what that does not cover shows, and at least
+            // the last segment's.
+            if cfg.overlaps_reduce_scatter() {
+                let segments = p.blocks.len().max(1) as f64;
+                sb = (sb - (1.0 - phi) * compute).max(sb / segments);
+            }
             // Prefetched, each segment's gather runs while the one before computes:
             // only what the compute does not cover shows.
             if cfg.zero_prefetch {

@@ -41,7 +41,7 @@ use switchyard_shard::{Param, ParamSource, ParamStore, ShardSpec};
 use crate::data::Dataset;
 use crate::error::{fail, Context, Result};
 use crate::optim::{sum_sq, AdamW, LrSchedule};
-use crate::zero::{self, Optimizer, Prefetcher, ShardedAdamW, Units};
+use crate::zero::{self, Optimizer, Prefetcher, Scatterer, ShardedAdamW, Units};
 use crate::{Recompute, TrainConfig};
 
 mod grads;
@@ -105,6 +105,8 @@ pub struct Worker<'a, M: Model> {
     units: Option<Units>,
     /// ZeRO 3 with `zero_prefetch`: the thread that gathers the next segment ahead.
     prefetcher: Option<Prefetcher>,
+    /// ZeRO 2 and 3 with `overlap_grad_reduce`: the reduce-scatter thread.
+    scatterer: Option<Scatterer>,
     /// `overlap_grad_reduce` (without ZeRO, `dp > 1`): the buckets of the segments and
     /// the thread that all-reduces them during the backward.
     overlap: Option<(Units, GradReducer)>,
@@ -248,6 +250,10 @@ impl<'a, M: Model> Worker<'a, M> {
             true => Some(Prefetcher::new(&*mesh.dp)?),
             false => None,
         };
+        let scatterer = match cfg.overlaps_reduce_scatter() {
+            true => Some(Scatterer::new(&*mesh.dp)?),
+            false => None,
+        };
         let schedule = LrSchedule {
             max_lr: cfg.lr,
             min_lr: cfg.min_lr,
@@ -267,6 +273,7 @@ impl<'a, M: Model> Worker<'a, M> {
             tied,
             units,
             prefetcher,
+            scatterer,
             overlap,
             opt,
             schedule,

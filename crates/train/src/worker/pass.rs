@@ -140,6 +140,7 @@ impl<M: Model> Worker<'_, M> {
                 &refs,
                 &self.index,
                 self.prefetcher.as_ref(),
+                self.scatterer.as_ref(),
             )?),
             _ => None,
         };

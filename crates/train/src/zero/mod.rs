@@ -40,9 +40,11 @@ use switchyard_shard::storage::with_f32_values;
 use crate::error::{fail, Result};
 
 mod prefetch;
+mod scatter;
 mod segments;
 use crate::optim::{sum_sq, update_slice, AdamW, AdamWConfig, StepScalars};
 pub use prefetch::Prefetcher;
+pub use scatter::Scatterer;
 pub use segments::{Units, ZeroHooks};
 
 /// The buckets of consecutive parameters, by their element counts `sizes`: each holds

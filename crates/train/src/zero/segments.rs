@@ -29,6 +29,7 @@ use switchyard_mem::Category;
 use switchyard_pipeline::{SegmentHooks, Stage};
 
 use super::prefetch::{self, Prefetcher};
+use super::scatter::{InFlight, Scatterer};
 use super::{scatter_bucket, ShardedAdamW};
 use crate::error::Result;
 
@@ -134,6 +135,9 @@ pub struct ZeroHooks<'w> {
     pub shards: Mutex<Vec<Option<Tensor>>>,
     /// Stage 3 with prefetching: this step's gathers ahead of use.
     pub prefetch: Option<Mutex<prefetch::Step<'w>>>,
+    /// With `overlap_grad_reduce`: the thread that reduce-scatters the buckets, and the
+    /// one it works on.
+    pub scatter: Option<(&'w Scatterer, Mutex<Option<InFlight>>)>,
 }
 
 impl<'w> ZeroHooks<'w> {
@@ -144,6 +148,7 @@ impl<'w> ZeroHooks<'w> {
         stages: &[(u32, &'w dyn Stage)],
         index: &HashMap<TensorId, usize>,
         prefetcher: Option<&'w Prefetcher>,
+        scatterer: Option<&'w Scatterer>,
     ) -> Result<ZeroHooks<'w>> {
         let stages = stages
             .iter()
@@ -163,6 +168,7 @@ impl<'w> ZeroHooks<'w> {
             stages,
             shards: Mutex::new(vec![None; units.groups.len()]),
             prefetch,
+            scatter: scatterer.map(|s| (s, Mutex::new(None))),
         })
     }
 
@@ -180,9 +186,25 @@ impl<'w> ZeroHooks<'w> {
         Ok(())
     }
 
-    /// Every bucket's summed shard (zeros for a bucket no gradient reached); ends the
-    /// step's prefetching.
+    /// Adds the shard of the bucket on the reduce-scatter thread, once it is done.
+    fn take_in_flight(&self) -> Result<()> {
+        let Some((_, in_flight)) = &self.scatter else {
+            return Ok(());
+        };
+        let f = in_flight.lock().unwrap_or_else(|e| e.into_inner()).take();
+        match f {
+            Some(f) => {
+                let k = f.k;
+                self.add_shard(k, f.wait()?)
+            }
+            None => Ok(()),
+        }
+    }
+
+    /// Every bucket's summed shard (zeros for a bucket no gradient reached), once the
+    /// reduce-scatter in flight is done; ends the step's prefetching.
     pub fn into_shards(self) -> Result<Vec<Tensor>> {
+        self.take_in_flight()?;
         if let Some(p) = self.prefetch {
             p.into_inner().unwrap_or_else(|e| e.into_inner()).finish()?;
         }
@@ -255,8 +277,18 @@ impl SegmentHooks for ZeroHooks<'_> {
             .collect();
         let _gradients = switchyard_mem::scope(Category::Gradients);
         let b = &self.opt.layout.buckets[k];
-        let shard = scatter_bucket(b, self.opt.layout.dp, self.dp, |p| mine.remove(&p))
+        let Some((thread, in_flight)) = &self.scatter else {
+            let shard = scatter_bucket(b, self.opt.layout.dp, self.dp, |p| mine.remove(&p))
+                .map_err(hook_err)?;
+            return self.add_shard(k, shard).map_err(hook_err);
+        };
+        // One bucket on the thread at a time: the one before this segment's is done
+        // (its shard added, in microbatch order) before this one goes.
+        self.take_in_flight().map_err(hook_err)?;
+        let f = thread
+            .start(k, b.clone(), self.opt.layout.dp, mine)
             .map_err(hook_err)?;
-        self.add_shard(k, shard).map_err(hook_err)
+        *in_flight.lock().unwrap_or_else(|e| e.into_inner()) = Some(f);
+        Ok(())
     }
 }
