@@ -5,8 +5,8 @@
 //!
 //! A second group times ZeRO 3 with and without prefetching the gathers, with a
 //! network's latency on every collective ([`Latency`]); a third the data-parallel
-//! all-reduce overlapped with the backward or after it, over a slow link
-//! ([`Latency::wrap_link`]).
+//! all-reduce overlapped with the backward or after it, and ZeRO 2's reduce-scatters on
+//! a thread of their own or not, over a slow link ([`Latency::wrap_link`]).
 //!
 //! Run: `cargo bench --bench step`. `switchyard bench` times the full reference workload.
 
@@ -108,12 +108,14 @@ fn overlap_grad_reduce(c: &mut Criterion) {
     g.sample_size(10);
     g.throughput(Throughput::Elements(p.tokens_per_step() as u64));
     let link = |w| Latency::wrap_link(w, Duration::from_micros(100), 0.25e9);
-    for overlap in [false, true] {
+    // ZeRO 2's reduce-scatters on the rank's thread or on their own (the same flag).
+    for (zero, overlap) in [(0, false), (0, true), (2, false), (2, true)] {
         let cfg = TrainConfig {
             overlap_grad_reduce: overlap,
+            zero,
             ..config(&p, &dp2)
         };
-        let name = format!("small dp 2, 0.25 GB/s link, overlap {overlap}");
+        let name = format!("small dp 2 zero {zero}, 0.25 GB/s link, overlap {overlap}");
         g.bench_function(name, |b| {
             b.iter_custom(|iters| steps_over(cfg.clone(), &link, iters))
         });
