@@ -7,7 +7,9 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::Args;
 use switchyard_pipeline::{run_synthetic, SyntheticMode, SyntheticRun};
-use switchyard_schedule::{generate, lower, report, Costs, Format, Program, ScheduleKind};
+use switchyard_schedule::{
+    generate, lower, lower_with_costs, report, Costs, Format, Program, ScheduleKind,
+};
 use switchyard_train::MAX_SCHEDULE_PAIRS;
 
 #[derive(Args)]
@@ -35,7 +37,8 @@ pub struct ScheduleArgs {
     /// Validate and simulate a custom schedule (one row per rank: `0,0F0,0F1,0B0,0B1`)
     #[arg(long)]
     from_csv: Option<PathBuf>,
-    /// Show the sends and receives between stages too
+    /// Show the sends and receives between stages too, placed for the --costs
+    /// (`switchyard train` plans with F=1,B=2,I=1.25,W=0.75)
     #[arg(long)]
     lowered: bool,
     /// Run the (lowered) program with the real executor on threads, one per rank, with
@@ -78,8 +81,10 @@ pub fn run(a: ScheduleArgs) -> anyhow::Result<()> {
             generate(kind, a.stages, a.microbatches)?
         }
     };
+    // Planned with the given costs (where each receive waits depends on them: `switchyard
+    // train` lowers with F=1,B=2,I=1.25,W=0.75); a zero cost plans with the defaults.
     let program = if a.lowered && !program.is_lowered() && program.num_ranks() > 1 {
-        lower(&program)?
+        lower_with_costs(&program, &costs).or_else(|_| lower(&program))?
     } else {
         program
     };

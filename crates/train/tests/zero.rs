@@ -376,6 +376,7 @@ fn zero_two_and_three_scatter_every_microbatch_and_three_gathers_every_use() {
             (2, false, false),
             (3, false, true),
             (3, true, false),
+            (3, true, true),
         ] {
             let mut z = with_zero(&c, zero);
             z.zero_prefetch = prefetch;

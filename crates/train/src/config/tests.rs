@@ -220,3 +220,33 @@ fn interleaving_advice_is_accepted_as_given() {
     (c.microbatches, c.batch) = (4, 8);
     c.validate().unwrap();
 }
+
+/// ZB-H1's receive of a gradient goes after the forward it does not feed: lowered with
+/// `I = W` it tied with that forward's start and went first, and the rank waited for it
+/// before computing the forward (the trainer's `LOWERING_COSTS`). Checked on rank 0 for
+/// every pipeline depth from 2 to 8 (it fails with `I = W`).
+#[test]
+fn zb_h1_receives_a_gradient_after_the_forwards_that_do_not_need_it() {
+    use switchyard_schedule::{Action, Op};
+    let pos = |list: &[Action], op: Op, mb: u32| {
+        list.iter().position(|a| a.op == op && a.microbatch == mb)
+    };
+    for pp in 2..=8usize {
+        let mut c = TrainConfig::default();
+        (c.pp, c.tp, c.microbatches, c.batch) = (pp, 1, 2 * pp, 2 * pp);
+        c.model.n_layer = pp;
+        c.schedule = "zb-h1".parse().unwrap();
+        let program = c.program().unwrap();
+        // Rank 0's steady state: the receive of microbatch k's gradient follows the
+        // forward of microbatch k + pp − 1, which precedes k's `I` in ZB-H1's order.
+        let rank0 = &program.ranks[0];
+        for k in 0..(c.microbatches - pp + 1) as u32 {
+            let next = k + pp as u32 - 1;
+            let (rb, f) = (pos(rank0, Op::RecvB, k), pos(rank0, Op::F, next));
+            assert!(
+                rb > f,
+                "pp {pp}: 0RB{k} at {rb:?} before 0F{next} at {f:?}: {program}"
+            );
+        }
+    }
+}

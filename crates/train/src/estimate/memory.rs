@@ -344,10 +344,14 @@ pub fn estimate_memory<M: Model>(cfg: &TrainConfig<M>) -> Result<Vec<RankEstimat
                     // Segment by segment: one segment's new gradients and what flows
                     // back; as its backward ends, the bucket they are flattened into.
                     // On the reduce-scatter thread (`overlap_grad_reduce`) the bucket
-                    // before is in flight while a segment computes instead: the same
-                    // bytes.
+                    // before is in flight while a segment computes instead, and the
+                    // shard it returns waits for the rank.
+                    let returned = match cfg.overlaps_reduce_scatter() {
+                        true => ELEM * segment.div_ceil(cfg.dp),
+                        false => 0,
+                    };
                     t.comm = ELEM * segment;
-                    t.observe(ELEM * segment + b.backward, 0);
+                    t.observe(ELEM * segment + b.backward + returned, 0);
                     t.comm = 0;
                     t.acts = t.acts.saturating_sub(b.saved);
                     if s > 0 {

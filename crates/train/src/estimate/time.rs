@@ -275,6 +275,12 @@ pub fn predict_step_time<M: Model>(
     let all_reduce = |bytes: f64| tm.collective.all_reduce(bytes, cfg.tp);
     let width = m.width().unwrap_or(0) as f64 * 4.0;
     let sequence_parallel = cfg.sequence_parallel && cfg.tp > 1;
+    // A split backward (`I` and `W`): its segments' gradients are final at `W`.
+    let split_backward = program
+        .ranks
+        .iter()
+        .flatten()
+        .any(|a| a.op == switchyard_schedule::Op::W);
     let flops = |p: &StagePlan| stage_flops(&costs, p);
     let total_flops = costs.embed + costs.blocks.iter().sum::<f64>() + costs.head;
     let shapes = m.param_shapes()?;
@@ -345,26 +351,32 @@ pub fn predict_step_time<M: Model>(
                 fwd += 2.0 * all_reduce(tokens * 4.0);
                 bwd += all_reduce(activation);
             }
-            let (mut gf, mut gb, mut sb) = zero_comm(p);
-            // On the reduce-scatter thread each segment's runs while the segment before
-            // computes its backward: only what that does not cover shows, and at least
-            // the last segment's.
-            if cfg.overlaps_reduce_scatter() {
-                let segments = p.blocks.len().max(1) as f64;
-                sb = (sb - (1.0 - phi) * compute).max(sb / segments);
-            }
-            // Prefetched, each segment's gather runs while the one before computes:
-            // only what the compute does not cover shows.
+            let (mut gf, gb, sb) = zero_comm(p);
+            // What runs on communication threads during the backward hides behind the
+            // same backward, once: ZeRO 3's prefetched gathers, and the reduce-scatters
+            // on their thread (each segment's while the segment before computes; at
+            // least the last segment's shows). A split backward hands its segments over
+            // at `W`, back to back: its reduce-scatters hide behind nothing.
+            let segments = p.blocks.len().max(1) as f64;
+            let again = if cfg.recompute == Recompute::Full {
+                phi
+            } else {
+                0.0
+            };
+            let window = (1.0 - phi + again) * compute;
+            let scatter_thread = cfg.overlaps_reduce_scatter() && !split_backward;
+            let last = sb / segments;
+            let (hidden, shown) = match (cfg.zero_prefetch, scatter_thread) {
+                (true, true) => (gb + sb - last, last),
+                (true, false) => (gb, sb),
+                (false, true) => (sb - last, gb + last),
+                (false, false) => (0.0, gb + sb),
+            };
+            let backward_comm = (hidden - window).max(0.0) + shown;
             if cfg.zero_prefetch {
-                let again = if cfg.recompute == Recompute::Full {
-                    phi
-                } else {
-                    0.0
-                };
                 gf = (gf - phi * compute).max(0.0);
-                gb = (gb - (1.0 - phi + again) * compute).max(0.0);
             }
-            (compute, fwd + gf, bwd + gb + sb)
+            (compute, fwd + gf, bwd + backward_comm)
         })
         .collect();
     let comm = if program.num_ranks() > 1 {

@@ -57,6 +57,7 @@ impl Units {
         idx: &[usize],
         grads: &mut [Option<Tensor>],
     ) -> Vec<(usize, Tensor)> {
+        debug_assert_eq!(idx.len(), grads.len(), "one gradient slot per parameter");
         idx.iter()
             .zip(grads.iter_mut())
             .filter(|(&p, _)| self.owner[p] == Some((stage, segment)))

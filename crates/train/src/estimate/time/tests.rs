@@ -289,6 +289,8 @@ fn zero_three_prefetching_hides_the_gathers_behind_the_compute() {
         let mut c = cfg(2, 1, 1);
         c.zero = zero;
         c.zero_prefetch = prefetch;
+        // The reduce-scatters on the rank's thread: only the gathers hide.
+        c.overlap_grad_reduce = false;
         predict_step_time(&c, tm).unwrap().seconds
     };
     let m = cfg(2, 1, 1).microbatches as f64;
@@ -324,4 +326,27 @@ fn zero_three_prefetching_hides_the_gathers_behind_the_compute() {
         (hidden - 2.0 * m * gather).abs() < 1e-6 * hidden,
         "{hidden} {gather}"
     );
+}
+
+/// ZeRO 2's reduce-scatters on their thread hide behind the backward, but for the last
+/// segment's; a split backward (ZB-H1) hands them over at `W`, back to back, and hides
+/// nothing.
+#[test]
+fn zero_two_reduce_scatters_on_their_thread_hide_but_not_under_a_split_backward() {
+    let slow = TimeModel {
+        dp_collective: Some(AlphaBeta {
+            alpha_s: 1.0,
+            bytes_per_s: 1e9,
+        }),
+        ..tm()
+    };
+    let at = |overlap: bool, schedule: &str| {
+        let mut c = cfg(2, 2, 1);
+        c.schedule = schedule.parse().unwrap();
+        c.zero = 2;
+        c.overlap_grad_reduce = overlap;
+        predict_step_time(&c, &slow).unwrap().seconds
+    };
+    assert!(at(true, "1f1b") < at(false, "1f1b"));
+    assert_eq!(at(true, "zb-h1"), at(false, "zb-h1"));
 }
