@@ -84,7 +84,10 @@ pub fn run(a: ScheduleArgs) -> anyhow::Result<()> {
     // Planned with the given costs (where each receive waits depends on them: `switchyard
     // train` lowers with F=1,B=2,I=1.25,W=0.75); a zero cost plans with the defaults.
     let program = if a.lowered && !program.is_lowered() && program.num_ranks() > 1 {
-        lower_with_costs(&program, &costs).or_else(|_| lower(&program))?
+        match [costs.f, costs.b, costs.i, costs.w].contains(&0.0) {
+            true => lower(&program)?,
+            false => lower_with_costs(&program, &costs)?,
+        }
     } else {
         program
     };

@@ -35,10 +35,15 @@
 //! * **Cost.** A transformer block (attention + MLP) costs exactly 2 all-reduces forward
 //!   (one `g` per row-parallel layer) and 2 backward (one `f` per column-parallel layer).
 //!   The vocab-parallel loss costs 2 forward (max, and the fused sum-exp/target) and 0
-//!   backward; the vocab-parallel embedding 1 forward and 0 backward.
+//!   backward; the vocab-parallel embedding 1 forward and 0 backward. Under sequence
+//!   parallelism ([`SequenceSplit`]) each all-reduce is an all-gather and a
+//!   reduce-scatter instead, and the backward adds the freed inputs' all-gathers and one
+//!   small all-reduce per replicated parameter.
 //! * **Replicated means identical.** Outside the parallel regions activations, LayerNorm
 //!   parameters and row-parallel biases are replicated and receive identical, complete
-//!   gradients on every rank: no extra gradient all-reduce over tp is needed.
+//!   gradients on every rank: no extra gradient all-reduce over tp is needed by the
+//!   trainer (under sequence parallelism the activations are split, and `f` on each such
+//!   parameter sums its gradient inside the backward).
 //! * Errors are [`candle_core::Error`]s wrapping a [`ShardError`] whose message names the
 //!   parameter or layer.
 //!

@@ -12,9 +12,11 @@
 //! | entering (before the column-parallel product) | f: identity, all-reduce backward | ḡ: all-gather, reduce-scatter backward |
 //! | leaving (after the row-parallel product) | g: all-reduce, identity backward | f̄: reduce-scatter, all-gather backward |
 //!
-//! An all-reduce moves what a reduce-scatter and an all-gather move together, so a block
-//! communicates the same bytes; what it gains is that the replicated parts' work and
-//! their kept activations are divided by `p`.
+//! An all-reduce moves what a reduce-scatter and an all-gather move together, so a
+//! block's forward communicates the same bytes (its backward, with the fused CPU ops,
+//! also gathers the two freed inputs again and sums the replicated parameters'
+//! gradients); what it gains is that the replicated parts' work and their kept
+//! activations are divided by `p`.
 //!
 //! Two things follow. A replicated parameter that split activations read (a LayerNorm's
 //! weight and bias, the row-parallel bias) gets, on each rank, the gradient of its own
@@ -71,10 +73,6 @@ impl SequenceSplit {
         }
     }
 
-    /// Frees what earlier calls left to free. Called after a collective over the group
-    /// has completed on this rank, which means every rank has entered it and so has
-    /// returned from the collectives before it: none reads those tensors any more (the
-    /// in-process backend reads its peers' inputs where they are).
     /// Lets go of what waits to be freed, without freeing it in place (no collective
     /// may have completed since): for the end of a step, so that the last pair's
     /// partial output lives no longer than the graphs that hold it.
@@ -85,6 +83,10 @@ impl SequenceSplit {
             .clear();
     }
 
+    /// Frees what earlier calls left to free. Called after a collective over the group
+    /// has completed on this rank, which means every rank has entered it and so has
+    /// returned from the collectives before it: none reads those tensors any more (the
+    /// in-process backend reads its peers' inputs where they are).
     fn free_pending(&self) -> Result<()> {
         let pending = std::mem::take(&mut *self.pending.lock().unwrap_or_else(|e| e.into_inner()));
         for t in &pending {

@@ -6,8 +6,9 @@
 //!
 //! - **One in flight.** A segment's gradients wait for the thread until the next
 //!   segment's backward ends, when the hooks take the finished shard and hand over the
-//!   next bucket: one segment's gradients and its flattened bucket more than without the
-//!   thread (the memory estimator counts them).
+//!   next bucket. The bucket in flight takes the place of the one the rank's own thread
+//!   would flatten; what is more is the shard it returns, `1/dp` of a segment, until the
+//!   rank adds it (the memory estimator counts it).
 //! - **Same sums.** The thread runs the same reduce-scatter on the same bucket
 //!   ([`super::scatter_bucket`]), and the hooks add each bucket's shards in the order of
 //!   the microbatches, as without it: the shards are bit-identical (tested).

@@ -238,3 +238,11 @@ pub fn assert_a_failed_rank_fails_the_other(c: &TrainConfig<GptConfig>, want: &[
     let e = outcomes[1].as_ref().expect_err("rank 1 failed");
     assert!(e.message.contains("on purpose"), "{}", e.message);
 }
+
+/// `cfg` with ZeRO stage `zero`.
+pub fn with_zero(cfg: &TrainConfig<GptConfig>, zero: u8) -> TrainConfig<GptConfig> {
+    TrainConfig {
+        zero,
+        ..cfg.clone()
+    }
+}
