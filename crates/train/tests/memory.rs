@@ -130,6 +130,10 @@ fn zero_shards_the_optimizer_state_over_the_replicas() {
     for dp in [2, 4] {
         let mut base = cfg(dp, 1, 1);
         base.batch = 4 * dp;
+        // The reduce-scatters on the rank's thread: where the peak falls then does not
+        // depend on when a communication thread's bucket is done (with the thread, the
+        // estimator's prediction is held within 10 % by `tests/estimate.rs`).
+        base.overlap_grad_reduce = false;
         let params = base.model.param_count();
         let shard = 4 * params.div_ceil(dp);
         let segment = 4 * largest_segment(&base);
@@ -217,12 +221,8 @@ fn zero_shards_the_optimizer_state_over_the_replicas() {
                 let grads = cat("gradients");
                 match zero {
                     0 | 1 => assert!(grads >= 4 * params, "{what}: {grads} B of gradients"),
-                    // One segment's gradients in the backward, and one on the
-                    // reduce-scatter thread (`overlap_grad_reduce`) with the shard it
-                    // returns before the rank adds it.
                     _ => assert!(
-                        grads >= shard
-                            && grads <= shard + 2 * segment + segment.div_ceil(dp) + 64 * 1024,
+                        grads >= shard && grads <= shard + 2 * segment + 64 * 1024,
                         "{what}: {grads} B of gradients for {shard} B of shards and \
                          {segment} B in the largest segment"
                     ),
