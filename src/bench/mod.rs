@@ -72,6 +72,7 @@ impl Preset {
             tied_embeddings: false,
             ops: OpsBackend::Fused,
             precision: Precision::F32,
+            moe: Default::default(),
         };
         let (m, batch, t, warmup, steps) = match name {
             "reference" => (model(256, 8, 8, 128), 32, 128, 2, 5),
@@ -255,6 +256,7 @@ pub fn probe(compute: Compute, d: usize, t: usize) -> GptConfig {
         tied_embeddings: false,
         ops: compute.0,
         precision: compute.1,
+        moe: Default::default(),
     }
 }
 

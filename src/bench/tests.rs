@@ -35,6 +35,7 @@ fn flops_per_token_counts_the_products_a_token_needs() {
         tied_embeddings: false,
         ops: OpsBackend::Fused,
         precision: Precision::F32,
+        moe: Default::default(),
     };
     p.seq_len = 3;
     // Forward, per token: a weight matrix `a × b` (with its bias) costs 2ab for the

@@ -4,7 +4,7 @@ use serde::{Deserialize, Serialize};
 
 use switchyard_shard::{OpsBackend, Precision};
 
-use crate::ModelError;
+use crate::{ModelError, MoeConfig};
 
 /// A GPT-2 style model. The vocabulary is bytes (256) unless a config says otherwise.
 /// In a config file every field is optional (the rest come from [`GptConfig::default`])
@@ -36,6 +36,10 @@ pub struct GptConfig {
     /// serialised config at its default, f32.
     #[serde(with = "precision_serde", skip_serializing_if = "is_f32")]
     pub precision: Precision,
+    /// Mixtures of experts in place of some blocks' MLPs; dense by default (and then
+    /// left out of the serialised config).
+    #[serde(skip_serializing_if = "MoeConfig::is_dense")]
+    pub moe: MoeConfig,
 }
 
 impl PartialEq for GptConfig {
@@ -48,6 +52,7 @@ impl PartialEq for GptConfig {
                 c.n_head,
                 c.d_model,
                 c.tied_embeddings,
+                (c.moe.experts, c.moe.top_k, c.moe.every),
             )
         };
         key(self) == key(other)
@@ -109,6 +114,7 @@ impl Default for GptConfig {
             tied_embeddings: false,
             ops: OpsBackend::Fused,
             precision: Precision::F32,
+            moe: MoeConfig::default(),
         }
     }
 }
@@ -125,6 +131,7 @@ impl GptConfig {
             tied_embeddings: false,
             ops: OpsBackend::Fused,
             precision: Precision::F32,
+            moe: MoeConfig::default(),
         }
     }
 
@@ -150,6 +157,7 @@ impl GptConfig {
                 usize::BITS
             )));
         }
+        self.moe.validate(n_layer)?;
         if d_model % n_head != 0 {
             return Err(ModelError::Config(format!(
                 "d_model {d_model} does not divide into {n_head} heads; choose d_model a multiple of the heads"
@@ -162,11 +170,21 @@ impl GptConfig {
         self.d_model / self.n_head
     }
 
-    /// Parameters of one transformer block: two LayerNorms, qkv, attention output and
-    /// the MLP (4× hidden), all with biases. Saturates at `usize::MAX` for an absurd
-    /// width ([`GptConfig::validate`] refuses such a model).
+    /// Parameters of one dense transformer block: two LayerNorms, qkv, attention
+    /// output and the MLP (4× hidden), all with biases. Saturates at `usize::MAX` for an
+    /// absurd width ([`GptConfig::validate`] refuses such a model).
     pub fn block_params(&self) -> usize {
         self.checked_block_params().unwrap_or(usize::MAX)
+    }
+
+    /// What a mixture of experts adds to a block: `E − 1` more MLPs (`8d² + 5d` each)
+    /// and the router (`E · d`).
+    fn checked_moe_extra(&self) -> Option<usize> {
+        let d = self.d_model;
+        let mlp = d.checked_mul(d)?.checked_mul(8)?.checked_add(d.checked_mul(5)?)?;
+        let e = self.moe.experts;
+        mlp.checked_mul(e.saturating_sub(1))?
+            .checked_add(e.checked_mul(d)?)
     }
 
     fn checked_block_params(&self) -> Option<usize> {
@@ -191,7 +209,14 @@ impl GptConfig {
             false => self.vocab_size.checked_mul(2)?,
         };
         let emb = tables.checked_add(self.block_size)?.checked_mul(d)?;
-        let blocks = self.n_layer.checked_mul(self.checked_block_params()?)?;
+        let blocks = self
+            .n_layer
+            .checked_mul(self.checked_block_params()?)?
+            .checked_add(
+                self.moe
+                    .moe_layers(self.n_layer)
+                    .checked_mul(self.checked_moe_extra()?)?,
+            )?;
         emb.checked_add(blocks)?.checked_add(d.checked_mul(2)?)
     }
 
@@ -214,11 +239,24 @@ impl GptConfig {
                 (p("attn.c_proj.bias"), vec![d]),
                 (p("ln_2.weight"), vec![d]),
                 (p("ln_2.bias"), vec![d]),
-                (p("mlp.c_fc.weight"), vec![4 * d, d]),
-                (p("mlp.c_fc.bias"), vec![4 * d]),
-                (p("mlp.c_proj.weight"), vec![d, 4 * d]),
-                (p("mlp.c_proj.bias"), vec![d]),
             ]);
+            let mlp = |m: &str| {
+                [
+                    (p(&format!("{m}.c_fc.weight")), vec![4 * d, d]),
+                    (p(&format!("{m}.c_fc.bias")), vec![4 * d]),
+                    (p(&format!("{m}.c_proj.weight")), vec![d, 4 * d]),
+                    (p(&format!("{m}.c_proj.bias")), vec![d]),
+                ]
+            };
+            match self.moe.is_moe_layer(i) {
+                false => out.extend(mlp("mlp")),
+                true => {
+                    out.push((p("mlp.router.weight"), vec![self.moe.experts, d]));
+                    for e in 0..self.moe.experts {
+                        out.extend(mlp(&format!("mlp.experts.{e}")));
+                    }
+                }
+            }
         }
         out.push(("transformer.ln_f.weight".to_string(), vec![d]));
         out.push(("transformer.ln_f.bias".to_string(), vec![d]));
@@ -250,6 +288,31 @@ impl GptConfig {
         let n_layer = (0..)
             .take_while(|i| shapes.contains_key(&format!("transformer.h.{i}.ln_1.weight")))
             .count();
+        // A mixture of experts shows in its routers: `E` in their shape, and which
+        // blocks have one gives `every`.
+        let routers: Vec<(usize, usize)> = (0..n_layer)
+            .filter_map(|i| {
+                let r = shapes.get(&format!("transformer.h.{i}.mlp.router.weight"))?;
+                Some((i, r.first().copied().unwrap_or(0)))
+            })
+            .collect();
+        let moe = match routers.first() {
+            None => MoeConfig::default(),
+            Some(&(first, experts)) => MoeConfig {
+                experts,
+                every: first + 1,
+                ..MoeConfig::default()
+            },
+        };
+        let found: Vec<usize> = routers.iter().map(|r| r.0).collect();
+        let want: Vec<usize> = (0..n_layer).filter(|&i| moe.is_moe_layer(i)).collect();
+        if found != want || routers.iter().any(|r| r.1 != moe.experts) {
+            return Err(ModelError::Weights(format!(
+                "the mixtures of experts are in blocks {found:?} with {:?} experts: switchyard \
+                 has one in every N-th block, all with the same number of experts",
+                routers.iter().map(|r| r.1).collect::<Vec<_>>()
+            )));
+        }
         let cfg = GptConfig {
             vocab_size: wte[0],
             block_size: wpe[0],
@@ -259,6 +322,7 @@ impl GptConfig {
             tied_embeddings: !shapes.contains_key("lm_head.weight"),
             ops: OpsBackend::Fused,
             precision: Precision::F32,
+            moe,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -289,6 +353,7 @@ mod tests {
             tied_embeddings: true,
             ops: OpsBackend::Fused,
             precision: Precision::F32,
+            moe: MoeConfig::default(),
         };
         // nanoGPT reports 124.44M with the position table.
         assert_eq!(c.param_count(), 124_439_808);

@@ -12,13 +12,13 @@
 
 use candle_core::{DType, Module, Result, Tensor, Var};
 use switchyard_shard::{
-    vocab_parallel_cross_entropy_with, ColumnParallelLinear, Init, LayerInit, OpsBackend,
-    ParallelMlp, ParallelSelfAttention, ParamStore, Precision, SequenceSplit, ShardSpec, TpGroup,
-    VocabParallelEmbedding,
+    vocab_parallel_cross_entropy_with, ColumnParallelLinear, Init, LayerInit, LossScale,
+    OpsBackend, ParamStore, SequenceSplit, ShardSpec, TpGroup, VocabParallelEmbedding,
 };
 
 use std::collections::HashMap;
 
+use crate::block::{Block, LayerNorm};
 use crate::{
     gpt_layer_costs, Footprint, GptConfig, LayerCosts, Model, ModelError, ModelStage, StagePlan,
     Tied,
@@ -28,86 +28,6 @@ use crate::{
 pub const LN_EPS: f64 = 1e-5;
 /// Standard deviation of the initial weights, as GPT-2.
 pub const INIT_STD: f64 = 0.02;
-
-struct LayerNorm {
-    weight: Var,
-    bias: Var,
-    ops: OpsBackend,
-    /// Under sequence parallelism the LayerNorm sees this rank's positions, and its
-    /// parameters' gradients are summed over the group ([`SequenceSplit::param`]).
-    seq: SequenceSplit,
-}
-
-impl LayerNorm {
-    fn new(vb: &switchyard_shard::Builder, d: usize, seq: &SequenceSplit) -> Result<LayerNorm> {
-        Ok(LayerNorm {
-            weight: vb.param("weight", &[d], ShardSpec::Replicated, Init::Ones)?,
-            bias: vb.param("bias", &[d], ShardSpec::Replicated, Init::Zeros)?,
-            ops: vb.ops(),
-            seq: seq.clone(),
-        })
-    }
-
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let w = self.seq.param(self.weight.as_tensor())?;
-        let b = self.seq.param(self.bias.as_tensor())?;
-        self.ops.layer_norm(x, &w, &b, LN_EPS)
-    }
-}
-
-struct Block {
-    ln_1: LayerNorm,
-    attn: ParallelSelfAttention,
-    ln_2: LayerNorm,
-    mlp: ParallelMlp,
-    /// Whether the fused sub-layers keep what their backward reads as bf16
-    /// (`Precision::Bf16` on the fused backend), so that the block frees the tensors
-    /// only they and the residual sums read (see [`Block::forward`]).
-    frees: bool,
-    /// Under sequence parallelism the sub-layers gather their input again in the
-    /// backward from the LayerNorms' outputs (this rank's positions), which must stay;
-    /// the sub-layers free the gathered copies themselves.
-    sequence_parallel: bool,
-}
-
-impl Block {
-    /// `x + attn(ln_1(x))`, then `+ mlp(ln_2(·))`.
-    ///
-    /// At bf16 on the fused backend, the LayerNorms' outputs (which the attention and
-    /// the MLP keep rounded to bf16 themselves) and the sub-layers' outputs (whose
-    /// residual sums need no values backward) are freed in place once read: candle's
-    /// graph keeps the tensors, not their f32 values, and what the block keeps for its
-    /// backward is bf16 but for the two residual sums and the LayerNorms' statistics.
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let h = self.ln_1.forward(x)?;
-        let a = self.attn.forward(&h)?;
-        self.free_input(&h)?;
-        let x = (x + &a)?;
-        self.free(&a)?;
-        let h = self.ln_2.forward(&x)?;
-        let m = self.mlp.forward(&h)?;
-        self.free_input(&h)?;
-        let y = (&x + &m)?;
-        self.free(&m)?;
-        Ok(y)
-    }
-
-    /// Frees a sub-layer's input (a LayerNorm's output), unless the sub-layer gathers
-    /// it again in the backward.
-    fn free_input(&self, t: &Tensor) -> Result<()> {
-        match self.sequence_parallel {
-            true => Ok(()),
-            false => self.free(t),
-        }
-    }
-
-    fn free(&self, t: &Tensor) -> Result<()> {
-        match self.frees {
-            true => switchyard_shard::storage::free_in_place(t),
-            false => Ok(()),
-        }
-    }
-}
 
 struct Embeddings {
     wte: VocabParallelEmbedding,
@@ -142,6 +62,8 @@ pub struct GptStage {
     seq: SequenceSplit,
     vocab_size: usize,
     ops: OpsBackend,
+    /// What the executor scales the loss by, for the mixtures of experts' balancing loss.
+    loss_scale: LossScale,
     params: Vec<Var>,
     /// The parameters of each segment (`Stage::segment_params`): the embeddings with the
     /// first block, the head with the last.
@@ -170,6 +92,7 @@ impl GptStage {
             .with_precision(cfg.precision);
         let first_param = store.len();
         let seq = SequenceSplit::new(&vb, tp.clone());
+        let loss_scale = LossScale::default();
         let d = cfg.d_model;
         let init = LayerInit {
             weight: Init::Normal { std: INIT_STD },
@@ -209,14 +132,7 @@ impl GptStage {
             .map(|i| {
                 let vb = vb.pp(format!("transformer.h.{i}"));
                 let from = store.len();
-                let block = Block {
-                    ln_1: LayerNorm::new(&vb.pp("ln_1"), d, &seq)?,
-                    attn: ParallelSelfAttention::new(&vb, tp.clone(), d, cfg.n_head, init)?,
-                    ln_2: LayerNorm::new(&vb.pp("ln_2"), d, &seq)?,
-                    mlp: ParallelMlp::new(&vb, tp.clone(), d, 4 * d, init)?,
-                    frees: cfg.precision == Precision::Bf16 && cfg.ops == OpsBackend::Fused,
-                    sequence_parallel: seq.is_on(),
-                };
+                let block = Block::new(cfg, i, &vb, &tp, &seq, init, &loss_scale)?;
                 block_vars.push(store.vars()[from..].to_vec());
                 Ok(block)
             })
@@ -273,6 +189,7 @@ impl GptStage {
             seq,
             vocab_size: cfg.vocab_size,
             ops: cfg.ops,
+            loss_scale,
             params,
             segments,
         })
@@ -290,20 +207,13 @@ impl GptStage {
     /// Fuses each block's weights with their biases once for the step's microbatches
     /// (see `ParallelMlp::begin_step`); [`GptStage::end_step`] drops them.
     pub fn begin_step(&self) -> Result<()> {
-        for b in &self.blocks {
-            b.attn.begin_step()?;
-            b.mlp.begin_step()?;
-        }
-        Ok(())
+        self.blocks.iter().try_for_each(|b| b.begin_step())
     }
 
     /// Drops what [`GptStage::begin_step`] fused: call it before the parameters change.
     pub fn end_step(&self) {
         self.seq.end_step();
-        for b in &self.blocks {
-            b.attn.end_step();
-            b.mlp.end_step();
-        }
+        self.blocks.iter().for_each(|b| b.end_step());
     }
 
     /// The mean cross-entropy of this stage's logits slice against `targets` (`[B, T]`
@@ -353,38 +263,36 @@ impl switchyard_pipeline::Stage for GptStage {
     fn end_step(&self) {
         GptStage::end_step(self)
     }
+    /// The mixtures of experts scale their balancing loss's gradient by it.
+    fn set_loss_scale(&self, scale: f64) {
+        self.loss_scale.set(scale)
+    }
     fn segment_params(&self, i: usize) -> Vec<Var> {
         self.segments.get(i).cloned().unwrap_or_default()
     }
     /// Fuses segment `i`'s block weights (in place, after the first time in a step).
     fn begin_segment(&self, i: usize) -> Result<()> {
-        if let Some(b) = self.blocks.get(i) {
-            b.attn.begin_step()?;
-            b.mlp.begin_step()?;
+        match self.blocks.get(i) {
+            Some(b) => b.begin_step(),
+            None => Ok(()),
         }
-        Ok(())
     }
     fn release_segment(&self, i: usize) -> Result<()> {
-        if let Some(b) = self.blocks.get(i) {
-            b.attn.release_step()?;
-            b.mlp.release_step()?;
+        match self.blocks.get(i) {
+            Some(b) => b.release_step(),
+            None => Ok(()),
         }
-        Ok(())
     }
     /// A split backward defers the blocks' weight products (the attention's and the
     /// MLP's four each) to [`GptStage`]'s `backward_weights`; the embeddings' and the
     /// head's weight gradients come with the input gradients.
     fn split_backward(&self, split: bool) {
-        for b in &self.blocks {
-            b.attn.set_split_backward(split);
-            b.mlp.set_split_backward(split);
-        }
+        self.blocks.iter().for_each(|b| b.set_split_backward(split));
     }
     fn backward_weights(&self, _microbatch: u32) -> Result<Vec<(Var, Tensor)>> {
         let mut grads = Vec::new();
         for b in &self.blocks {
-            grads.extend(b.attn.backward_weights()?);
-            grads.extend(b.mlp.backward_weights()?);
+            grads.extend(b.backward_weights()?);
         }
         Ok(grads)
     }
@@ -442,9 +350,10 @@ impl Model for GptConfig {
         Ok(())
     }
 
-    /// Its LayerNorms and residual stream split over the tensor-parallel group.
+    /// Its LayerNorms and residual stream split over the tensor-parallel group; not
+    /// with mixtures of experts, which route whole sequences (capacity is per sequence).
     fn sequence_parallel(&self) -> bool {
-        true
+        self.moe.is_dense()
     }
 
     fn width(&self) -> Option<usize> {
@@ -505,6 +414,14 @@ impl Model for GptConfig {
             .map(|(k, v)| (k.clone(), v.dims().to_vec()))
             .collect();
         let mut c = GptConfig::infer(&shapes, self.n_head)?;
+        // The shapes give the experts and where they are; routing comes from `self`.
+        if !c.moe.is_dense() {
+            c.moe = crate::MoeConfig {
+                experts: c.moe.experts,
+                every: c.moe.every,
+                ..self.moe
+            };
+        }
         if let (Some(w), Some(h)) = (tensors.get(WTE), tensors.get(LM_HEAD)) {
             let same = w.dims() == h.dims()
                 && (w - h)

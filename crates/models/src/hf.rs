@@ -77,6 +77,14 @@ pub fn to_hf(
     cfg: &GptConfig,
     params: &HashMap<String, Tensor>,
 ) -> Result<(Value, Vec<(String, Tensor)>), ModelError> {
+    if !cfg.moe.is_dense() {
+        return Err(ModelError::Config(format!(
+            "GPT2LMHeadModel has no mixture of experts (this model has {} experts in {} blocks): \
+             export it in nanoGPT's format instead (without --hf)",
+            cfg.moe.experts,
+            cfg.moe.moe_layers(cfg.n_layer)
+        )));
+    }
     let mut out = Vec::with_capacity(params.len());
     for (name, t) in params {
         let t = match is_conv1d(name) {

@@ -44,6 +44,7 @@
 //!   model of your own that implements [`Model`], trained on any layout and checked
 //!   against one device (example `own_model`).
 
+mod block;
 mod config;
 mod error;
 mod gpt;
@@ -51,6 +52,7 @@ mod gpt_footprint;
 pub mod hf;
 mod mlp;
 mod model;
+mod moe;
 pub mod plan;
 mod reference;
 pub mod sample;
@@ -61,6 +63,7 @@ pub use error::ModelError;
 pub use gpt::{GptStage, INIT_STD, LN_EPS};
 pub use mlp::{MlpConfig, MlpStage};
 pub use model::{Activations, Footprint, Model, ModelStage, Tied};
+pub use moe::MoeConfig;
 pub use reference::ReferenceGpt;
 pub use split::{plan_stages, LayerCosts, SplitSpec, StagePlan};
 pub use switchyard_shard::{OpsBackend, Precision};

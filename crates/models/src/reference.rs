@@ -69,8 +69,9 @@ impl ReferenceGpt {
         }
     }
 
-    /// Logits `[B·T, V]` for token ids `[B, T]`.
-    pub fn logits(&self, ids: &Tensor) -> Result<Tensor> {
+    /// Logits `[B·T, V]` for token ids `[B, T]`, and the mixtures of experts'
+    /// balancing loss (a scalar; zero for a dense model).
+    pub fn forward(&self, ids: &Tensor) -> Result<(Tensor, Tensor)> {
         let c = &self.cfg;
         let (b, t) = ids.dims2()?;
         let (d, nh) = (c.d_model, c.n_head);
@@ -80,6 +81,7 @@ impl ReferenceGpt {
             .index_select(&ids.flatten_all()?, 0)?;
         let pos = self.p("transformer.wpe.weight")?.narrow(0, 0, t)?;
         let mut x = tok.reshape((b, t, d))?.broadcast_add(&pos)?;
+        let mut aux = Tensor::zeros((), x.dtype(), x.device())?;
         let mask: Vec<f32> = (0..t * t)
             .map(|i| {
                 if i % t > i / t {
@@ -107,8 +109,14 @@ impl ReferenceGpt {
             let y = linear(&y, p("attn.c_proj.weight")?, Some(p("attn.c_proj.bias")?))?;
             x = (x + y)?;
             let h = layer_norm(&x, p("ln_2.weight")?, p("ln_2.bias")?)?;
-            let h = linear(&h, p("mlp.c_fc.weight")?, Some(p("mlp.c_fc.bias")?))?.gelu()?;
-            let h = linear(&h, p("mlp.c_proj.weight")?, Some(p("mlp.c_proj.bias")?))?;
+            let h = match c.moe.is_moe_layer(l) {
+                false => self.mlp(&h, &format!("transformer.h.{l}.mlp"))?,
+                true => {
+                    let (h, a) = self.moe(&h, l)?;
+                    aux = (aux + a)?;
+                    h
+                }
+            };
             x = (x + h)?;
         }
         let x = layer_norm(
@@ -121,12 +129,99 @@ impl ReferenceGpt {
         } else {
             "lm_head.weight"
         };
-        linear(&x, self.p(head)?, None)?.reshape((b * t, c.vocab_size))
+        let logits = linear(&x, self.p(head)?, None)?.reshape((b * t, c.vocab_size))?;
+        Ok((logits, aux))
+    }
+
+    /// Logits `[B·T, V]` for token ids `[B, T]`.
+    pub fn logits(&self, ids: &Tensor) -> Result<Tensor> {
+        Ok(self.forward(ids)?.0)
+    }
+
+    /// A dense MLP whose parameters are under `prefix`.
+    fn mlp(&self, h: &Tensor, prefix: &str) -> Result<Tensor> {
+        let p = |n: &str| self.p(&format!("{prefix}.{n}"));
+        let h = linear(h, p("c_fc.weight")?, Some(p("c_fc.bias")?))?.gelu()?;
+        linear(&h, p("c_proj.weight")?, Some(p("c_proj.bias")?))
+    }
+
+    /// Block `l`'s mixture of experts on `h` `[B, T, d]`, and its balancing loss
+    /// (`α` times the mean over the sequences of `E · Σ_e f_e · P_e`). Every expert
+    /// runs on every token, weighted by a gate that is zero where the token does not
+    /// reach it.
+    fn moe(&self, h: &Tensor, l: usize) -> Result<(Tensor, Tensor)> {
+        let m = &self.cfg.moe;
+        let (b, t, _) = h.dims3()?;
+        let (e_n, k) = (m.experts, m.top_k);
+        let prefix = format!("transformer.h.{l}.mlp");
+        let router = self.p(&format!("{prefix}.router.weight"))?;
+        let probs = softmax_last(&linear(h, router, None)?)?; // [B, T, E]
+        let pv = probs.to_dtype(DType::F32)?.to_vec3::<f32>()?;
+        let cap = match m.capacity_factor > 0.0 {
+            true => (m.capacity_factor * (k * t) as f64 / e_n as f64).ceil() as usize,
+            false => usize::MAX,
+        };
+        let (mut chosen, mut kept) = (vec![0f32; b * t * e_n], vec![0f32; b * t * e_n]);
+        let mut f = vec![0f32; b * e_n];
+        for (row, seq) in pv.iter().enumerate() {
+            // Each token's top k: repeated arg-max, the lower index winning a tie.
+            let tops: Vec<Vec<usize>> = seq
+                .iter()
+                .map(|p| {
+                    let mut top: Vec<usize> = Vec::new();
+                    for _ in 0..k {
+                        let best = (0..e_n)
+                            .filter(|e| !top.contains(e))
+                            .fold(None, |best: Option<usize>, e| match best {
+                                Some(j) if p[j] >= p[e] => Some(j),
+                                _ => Some(e),
+                            });
+                        top.extend(best);
+                    }
+                    top
+                })
+                .collect();
+            let mut load = vec![0; e_n];
+            for j in 0..k {
+                for (pos, top) in tops.iter().enumerate() {
+                    let (e, at) = (top[j], (row * t + pos) * e_n + top[j]);
+                    chosen[at] = 1.0;
+                    f[row * e_n + e] += 1.0 / (t * k) as f32;
+                    if load[e] < cap {
+                        load[e] += 1;
+                        kept[at] = 1.0;
+                    }
+                }
+            }
+        }
+        let dev = h.device();
+        let mask = |v: Vec<f32>| Tensor::from_vec(v, (b, t, e_n), dev)?.to_dtype(h.dtype());
+        let picked = (&probs * mask(chosen)?)?;
+        let gates = match k {
+            1 => picked,
+            _ => picked.broadcast_div(&picked.sum_keepdim(D::Minus1)?)?,
+        };
+        let gates = (gates * mask(kept)?)?;
+        let mut out = h.zeros_like()?;
+        for e in 0..e_n {
+            let y = self.mlp(h, &format!("{prefix}.experts.{e}"))?;
+            out = (out + y.broadcast_mul(&gates.narrow(2, e, 1)?)?)?;
+        }
+        let f = Tensor::from_vec(f, (b, e_n), dev)?.to_dtype(h.dtype())?;
+        let p_mean = probs.mean(1)?;
+        let aux = ((p_mean * f)?.sum_all()? * (e_n as f64 * m.aux_loss_coef / b as f64))?;
+        Ok((out, aux))
     }
 
     /// The mean cross-entropy of predicting `targets` `[B, T]` from `ids` `[B, T]`.
     pub fn loss(&self, ids: &Tensor, targets: &Tensor) -> Result<Tensor> {
-        let logits = self.logits(ids)?;
+        Ok(self.objective(ids, targets)?.0)
+    }
+
+    /// The mean cross-entropy, and what training minimises: it plus the mixtures of
+    /// experts' balancing loss (the same tensor for a dense model).
+    pub fn objective(&self, ids: &Tensor, targets: &Tensor) -> Result<(Tensor, Tensor)> {
+        let (logits, aux) = self.forward(ids)?;
         let lse = {
             let m = logits.max_keepdim(D::Minus1)?;
             (logits
@@ -137,17 +232,22 @@ impl ReferenceGpt {
                 + m)?
         };
         let picked = logits.gather(&targets.flatten_all()?.unsqueeze(1)?, 1)?;
-        (lse - picked)?.mean_all()
+        let ce = (lse - picked)?.mean_all()?;
+        match self.cfg.moe.is_dense() {
+            true => Ok((ce.clone(), ce)),
+            false => Ok((ce.clone(), (ce + aux)?)),
+        }
     }
 
-    /// The loss and every parameter's gradient, by name, for one batch.
+    /// The loss (the cross-entropy) and every parameter's gradient (of the objective),
+    /// by name, for one batch.
     pub fn loss_and_grads(
         &self,
         ids: &Tensor,
         targets: &Tensor,
     ) -> Result<(f64, HashMap<String, Tensor>)> {
-        let loss = self.loss(ids, targets)?;
-        let grads = loss.backward()?;
+        let (loss, objective) = self.objective(ids, targets)?;
+        let grads = objective.backward()?;
         let mut out = HashMap::new();
         for (name, v) in &self.params {
             let g = match grads.get(v.as_tensor()) {

@@ -283,7 +283,7 @@ struct Hook {
 }
 
 /// A fresh copy of `s` viewed through `l`, on the device of `s`.
-fn copy<B>(s: &B, l: &Layout) -> Result<B>
+pub(crate) fn copy<B>(s: &B, l: &Layout) -> Result<B>
 where
     B: BackendStorage,
     B::Device: BackendDevice<Storage = B>,

@@ -86,6 +86,7 @@
 
 mod attention;
 mod avx512;
+mod aux_loss;
 mod backend;
 mod bf16;
 mod bias;
@@ -103,6 +104,7 @@ mod sgemm;
 mod twins;
 
 pub use attention::{causal_attention_packed, causal_self_attention};
+pub use aux_loss::attach_loss;
 pub use backend::{OpsBackend, ParseOpsBackendError};
 pub use bf16::{linear_bf16, linear_bf16_on, matmul_bf16, matmul_bf16_with, Bf16Kernel};
 pub use bias::add_bias;

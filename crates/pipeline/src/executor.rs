@@ -249,6 +249,7 @@ impl<'a> Executor<'a> {
         let mut begun = EndStep(Vec::new());
         for st in self.stages.values() {
             begun.0.push(*st);
+            st.set_loss_scale(mb.loss_scale);
             st.begin_step()?;
         }
         self.run_program(mb)

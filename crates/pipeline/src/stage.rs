@@ -79,6 +79,14 @@ pub trait Stage: Send + Sync {
     /// fails: drop whatever `begin_step` derived, so that nothing stale outlives the
     /// parameters' next update.
     fn end_step(&self) {}
+    /// What the executor multiplies each microbatch's loss by before its backward
+    /// (`1 / (microbatches · dp)`), told before [`Stage::begin_step`]. A stage that adds
+    /// a loss of its own from the middle of the model (a mixture of experts' balancing
+    /// loss, `switchyard_ops::attach_loss`) scales its gradient the same way, so that it
+    /// is a mean over the job's batch like the model's loss. Default: ignored.
+    fn set_loss_scale(&self, scale: f64) {
+        let _ = scale;
+    }
 }
 
 /// Any candle [`Module`] (or closure) with its parameters, as a [`Stage`].

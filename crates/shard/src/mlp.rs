@@ -49,7 +49,19 @@ impl ParallelMlp {
         hidden: usize,
         init: LayerInit,
     ) -> Result<Self> {
-        let vb = vb.pp("mlp");
+        ParallelMlp::at(&vb.pp("mlp"), comm, d_model, hidden, init)
+    }
+
+    /// [`ParallelMlp::new`] with `vb` the MLP's own prefix (`c_fc` and `c_proj` directly
+    /// under it): a mixture of experts' `mlp.experts.{e}`.
+    pub fn at(
+        vb: &Builder,
+        comm: Arc<dyn Communicator>,
+        d_model: usize,
+        hidden: usize,
+        init: LayerInit,
+    ) -> Result<Self> {
+        let vb = vb.clone();
         let name = vb.prefix().to_string();
         check_group(&name, &vb, comm.as_ref())?;
         let n = comm.world_size();

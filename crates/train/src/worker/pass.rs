@@ -86,6 +86,9 @@ impl<S: ModelStage> Stage for Wrapped<'_, S> {
     fn end_step(&self) {
         self.stage.end_step()
     }
+    fn set_loss_scale(&self, scale: f64) {
+        self.stage.set_loss_scale(scale)
+    }
 }
 
 impl<M: Model> Worker<'_, M> {

@@ -111,8 +111,8 @@ pub fn reference_curve(cfg: &TrainConfig<GptConfig>) -> Vec<f64> {
     let mut losses = Vec::new();
     for step in 0..cfg.steps {
         let (x, y) = corpus.batch(&Sampler::of(cfg), step, 0..cfg.batch).unwrap();
-        let loss = model.loss(&x, &y).unwrap();
-        let g = loss.backward().unwrap();
+        let (loss, objective) = model.objective(&x, &y).unwrap();
+        let g = objective.backward().unwrap();
         let mut grads: Vec<Option<Tensor>> =
             vars.iter().map(|v| g.get(v.as_tensor()).cloned()).collect();
         let norm = grads

@@ -1,0 +1,344 @@
+//! A mixture-of-experts MLP: a router sends each token to `k` of `E` expert MLPs.
+//!
+//! For a token `x`, with router weight `R` `[E, d]`:
+//!
+//! ```text
+//! p = softmax(x·Rᵀ)                        (f32, over the E experts)
+//! S = the k experts of largest p           (ties: the lower expert index first)
+//! g_e = p_e / Σ_{j∈S} p_j   (k > 1)        (GShard's renormalised gates)
+//! g_e = p_e                 (k = 1)        (Switch Transformer)
+//! y = Σ_{e∈S, kept} g_e · MLP_e(x)
+//! ```
+//!
+//! **Capacity.** With a capacity factor `C > 0` every expert takes at most
+//! `⌈C · k · T / E⌉` tokens of each sequence of `T` tokens; a token over capacity gets
+//! nothing from that expert (it passes through the block's residual). Within a sequence
+//! the first choices are placed before the second ones, each in position order. Routing
+//! is per sequence and ties break by expert index, so it does not depend on how a batch
+//! is cut into microbatches or replicas: every layout drops the same tokens.
+//!
+//! **Balancing loss** (Switch Transformer): per sequence `E · Σ_e f_e · P_e`, with `f_e`
+//! the fraction of the sequence's `T·k` choices that picked `e` (before capacity) and
+//! `P_e` the mean router probability of `e`; the objective adds `α` times its mean over
+//! the job's sequences (the layer attaches it to its output with
+//! [`switchyard_ops::attach_loss`], scaled by the [`LossScale`] the pipeline stage is
+//! told).
+//!
+//! **Tensor parallelism.** The router is replicated (every rank routes the same way, as
+//! its input is replicated); each expert is a [`ParallelMlp`], split over the group like
+//! a dense MLP, so an expert costs one all-reduce forward and one backward on the tokens
+//! it receives.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use candle_core::{DType, Result, Tensor, Var, D};
+use switchyard_comm::Communicator;
+
+use crate::attention::LayerInit;
+use crate::error::ShardError;
+use crate::mlp::ParallelMlp;
+use crate::param::Builder;
+use crate::spec::ShardSpec;
+
+/// How a mixture-of-experts layer routes.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MoeOptions {
+    /// `E`, the number of experts.
+    pub experts: usize,
+    /// `k`, the experts each token goes to.
+    pub top_k: usize,
+    /// `C`: each expert takes at most `⌈C · k · T / E⌉` tokens of a sequence; 0 = no limit.
+    pub capacity_factor: f64,
+    /// `α`, the balancing loss's coefficient (0: none).
+    pub aux_loss_coef: f64,
+}
+
+impl MoeOptions {
+    /// The most tokens of a sequence of `t` one expert takes, or `None` for no limit.
+    pub fn capacity(&self, t: usize) -> Option<usize> {
+        match self.capacity_factor > 0.0 {
+            true => Some(
+                (self.capacity_factor * (self.top_k * t) as f64 / self.experts as f64).ceil()
+                    as usize,
+            ),
+            false => None,
+        }
+    }
+}
+
+/// Where the tokens of a batch `[B, T]` go.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Routing {
+    /// Per expert, the flat token indices (`b·T + t`) it computes, ascending.
+    pub tokens: Vec<Vec<u32>>,
+    /// `[B·T, E]`, 1 where the expert is one of the token's top k (before capacity).
+    pub chosen: Vec<f32>,
+    /// `[B·T, E]`, 1 where the token reaches the expert (within capacity).
+    pub kept: Vec<f32>,
+    /// `[B, E]`: per sequence, the choices of each expert before capacity.
+    pub counts: Vec<f32>,
+    /// Choices over capacity, over the batch.
+    pub dropped: usize,
+}
+
+/// Routes `B` sequences of `T` tokens from their router probabilities `probs`
+/// (`[B·T, E]`, row-major); see the module docs for the rules.
+pub fn route(probs: &[f32], b: usize, t: usize, opts: &MoeOptions) -> Routing {
+    let e_n = opts.experts;
+    let k = opts.top_k.min(e_n);
+    let cap = opts.capacity(t).unwrap_or(usize::MAX);
+    let n = b * t;
+    let mut chosen = vec![0f32; n * e_n];
+    let mut kept = vec![0f32; n * e_n];
+    let mut counts = vec![0f32; b * e_n];
+    let mut dropped = 0;
+    let mut order: Vec<usize> = Vec::with_capacity(e_n);
+    let mut top = vec![0usize; n * k];
+    for tok in 0..n {
+        let p = &probs[tok * e_n..(tok + 1) * e_n];
+        order.clear();
+        order.extend(0..e_n);
+        order.sort_by(|&i, &j| p[j].total_cmp(&p[i]).then(i.cmp(&j)));
+        top[tok * k..(tok + 1) * k].copy_from_slice(&order[..k]);
+        for &e in &order[..k] {
+            chosen[tok * e_n + e] = 1.0;
+            counts[(tok / t) * e_n + e] += 1.0;
+        }
+    }
+    for row in 0..b {
+        let mut load = vec![0usize; e_n];
+        for j in 0..k {
+            for tok in row * t..(row + 1) * t {
+                let e = top[tok * k + j];
+                match load[e] < cap {
+                    true => {
+                        load[e] += 1;
+                        kept[tok * e_n + e] = 1.0;
+                    }
+                    false => dropped += 1,
+                }
+            }
+        }
+    }
+    let tokens = (0..e_n)
+        .map(|e| {
+            (0..n)
+                .filter(|tok| kept[tok * e_n + e] > 0.0)
+                .map(|tok| tok as u32)
+                .collect()
+        })
+        .collect();
+    Routing {
+        tokens,
+        chosen,
+        kept,
+        counts,
+        dropped,
+    }
+}
+
+/// The scale of the objective's gradient, shared between a pipeline stage (which is
+/// told it: `switchyard_pipeline::Stage::set_loss_scale`) and its layers that add
+/// losses of their own. 1 until set.
+#[derive(Debug, Clone)]
+pub struct LossScale(Arc<AtomicU64>);
+
+impl Default for LossScale {
+    fn default() -> Self {
+        LossScale(Arc::new(AtomicU64::new(1f64.to_bits())))
+    }
+}
+
+impl LossScale {
+    pub fn set(&self, scale: f64) {
+        self.0.store(scale.to_bits(), Ordering::Relaxed)
+    }
+    pub fn get(&self) -> f64 {
+        f64::from_bits(self.0.load(Ordering::Relaxed))
+    }
+}
+
+/// A mixture-of-experts MLP on a tensor-parallel group.
+///
+/// Given the *block's* builder (prefix `transformer.h.{i}`), it creates
+/// `mlp.router.weight` `[E, d]` (replicated) and, for each expert `e`,
+/// `mlp.experts.{e}.c_fc.*` and `mlp.experts.{e}.c_proj.*`, the parameters of a
+/// [`ParallelMlp`] of width `hidden`.
+pub struct ParallelMoe {
+    router: Var,
+    experts: Vec<ParallelMlp>,
+    opts: MoeOptions,
+    loss_scale: LossScale,
+    name: String,
+}
+
+impl ParallelMoe {
+    pub fn new(
+        vb: &Builder,
+        comm: Arc<dyn Communicator>,
+        d_model: usize,
+        hidden: usize,
+        init: LayerInit,
+        opts: MoeOptions,
+        loss_scale: LossScale,
+    ) -> Result<Self> {
+        let vb = vb.pp("mlp");
+        let name = vb.prefix().to_string();
+        if opts.experts == 0 || opts.top_k == 0 || opts.top_k > opts.experts {
+            return Err(ShardError::Invalid(format!(
+                "{name}: a mixture of experts needs 1 ≤ top-k ≤ experts, got top-k {} of {} experts",
+                opts.top_k, opts.experts
+            ))
+            .into());
+        }
+        let router = vb.pp("router").param(
+            "weight",
+            &[opts.experts, d_model],
+            ShardSpec::Replicated,
+            init.weight,
+        )?;
+        let experts = (0..opts.experts)
+            .map(|e| {
+                ParallelMlp::at(
+                    &vb.pp(format!("experts.{e}")),
+                    comm.clone(),
+                    d_model,
+                    hidden,
+                    init,
+                )
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(ParallelMoe {
+            router,
+            experts,
+            opts,
+            loss_scale,
+            name,
+        })
+    }
+
+    /// `x` `[B, T, d]` (replicated) to `[B, T, d]` (replicated).
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.forward_inner(x)
+            .map_err(|e| e.context(format!("{} (mixture of experts)", self.name)))
+    }
+
+    fn forward_inner(&self, x: &Tensor) -> Result<Tensor> {
+        let (b, t, d) = x.dims3()?;
+        let e_n = self.opts.experts;
+        let xf = x.reshape((b * t, d))?;
+        let logits = xf
+            .to_dtype(DType::F32)?
+            .matmul(&self.router.as_tensor().to_dtype(DType::F32)?.t()?)?;
+        let probs = {
+            let z = logits.broadcast_sub(&logits.max_keepdim(D::Minus1)?)?.exp()?;
+            z.broadcast_div(&z.sum_keepdim(D::Minus1)?)?
+        };
+        let r = route(&probs.flatten_all()?.to_vec1::<f32>()?, b, t, &self.opts);
+        let dev = x.device();
+        let mat = |v: &[f32], rows: usize| Tensor::from_slice(v, (rows, e_n), dev);
+        let picked = (&probs * mat(&r.chosen, b * t)?)?;
+        let gates = match self.opts.top_k {
+            1 => picked,
+            _ => picked.broadcast_div(&picked.sum_keepdim(D::Minus1)?)?,
+        };
+        let gates = (gates * mat(&r.kept, b * t)?)?.to_dtype(x.dtype())?;
+        let mut out = xf.zeros_like()?;
+        for (e, expert) in self.experts.iter().enumerate() {
+            let ids = &r.tokens[e];
+            if ids.is_empty() {
+                continue;
+            }
+            let ids = Tensor::from_slice(ids, ids.len(), dev)?;
+            let y = expert.forward(&xf.index_select(&ids, 0)?)?;
+            let g = gates.index_select(&ids, 0)?.narrow(1, e, 1)?;
+            out = out.index_add(&ids, &y.broadcast_mul(&g)?, 0)?;
+        }
+        if self.opts.aux_loss_coef > 0.0 {
+            // Σ over the sequences of E · Σ_e f_e · P_e.
+            let p_sum = probs.reshape((b, t, e_n))?.sum(1)?;
+            let aux = (p_sum * mat(&r.counts, b)?)?.sum_all()?;
+            let aux = (aux * (e_n as f64 / (self.opts.top_k * t * t) as f64))?;
+            let scale = self.opts.aux_loss_coef * self.loss_scale.get() / b as f64;
+            out = switchyard_ops::attach_loss(&out, &aux, scale)?;
+        }
+        out.reshape((b, t, d))
+    }
+
+    /// Fuses every expert's weights for the step (see [`ParallelMlp::begin_step`]).
+    pub fn begin_step(&self) -> Result<()> {
+        self.experts.iter().try_for_each(|e| e.begin_step())
+    }
+
+    pub fn end_step(&self) {
+        self.experts.iter().for_each(|e| e.end_step())
+    }
+
+    pub fn release_step(&self) -> Result<()> {
+        self.experts.iter().try_for_each(|e| e.release_step())
+    }
+
+    /// The router's weight.
+    pub fn router(&self) -> &Var {
+        &self.router
+    }
+
+    pub fn options(&self) -> &MoeOptions {
+        &self.opts
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn opts(experts: usize, top_k: usize, capacity_factor: f64) -> MoeOptions {
+        MoeOptions {
+            experts,
+            top_k,
+            capacity_factor,
+            aux_loss_coef: 0.01,
+        }
+    }
+
+    #[test]
+    fn top_k_breaks_ties_by_the_lower_expert() {
+        // Two tokens of one sequence, three experts; the first token ties 0 and 2.
+        let p = [0.4, 0.2, 0.4, 0.1, 0.6, 0.3];
+        let r = route(&p, 1, 2, &opts(3, 1, 0.0));
+        assert_eq!(r.tokens, vec![vec![0], vec![1], vec![]]);
+        let r = route(&p, 1, 2, &opts(3, 2, 0.0));
+        assert_eq!(r.tokens, vec![vec![0], vec![1], vec![0, 1]]);
+        assert_eq!(r.counts, vec![1.0, 1.0, 2.0]);
+        assert_eq!(r.dropped, 0);
+    }
+
+    #[test]
+    fn capacity_is_per_sequence_and_first_choices_go_first() {
+        // One sequence of 4 tokens, 2 experts, top 2, C 0.5: capacity ⌈0.5·2·4/2⌉ = 2.
+        // Every token prefers expert 0: expert 0 takes the first choices of tokens 0
+        // and 1, expert 1 the second choices of tokens 0 and 1 (position order); the
+        // choices of tokens 2 and 3 are dropped.
+        let p = [0.9, 0.1, 0.8, 0.2, 0.7, 0.3, 0.6, 0.4];
+        let r = route(&p, 1, 4, &opts(2, 2, 0.5));
+        assert_eq!(r.tokens, vec![vec![0, 1], vec![0, 1]]);
+        assert_eq!(r.dropped, 4);
+        // The same sequence twice: the second is routed as if alone.
+        let p2: Vec<f32> = p.iter().chain(p.iter()).copied().collect();
+        let r2 = route(&p2, 2, 4, &opts(2, 2, 0.5));
+        assert_eq!(r2.tokens, vec![vec![0, 1, 4, 5], vec![0, 1, 4, 5]]);
+        assert_eq!(r2.dropped, 8);
+        assert_eq!(r2.counts, vec![4.0, 4.0, 4.0, 4.0]);
+    }
+
+    #[test]
+    fn no_capacity_limit_keeps_every_choice() {
+        let p = [0.9, 0.1, 0.8, 0.2, 0.7, 0.3];
+        let r = route(&p, 1, 3, &opts(2, 1, 0.0));
+        assert_eq!(r.tokens, vec![vec![0, 1, 2], vec![]]);
+        assert_eq!(r.kept, r.chosen);
+        assert_eq!(opts(8, 2, 1.25).capacity(64), Some(20));
+        assert_eq!(opts(8, 2, 0.0).capacity(64), None);
+    }
+}
