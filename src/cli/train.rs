@@ -73,6 +73,22 @@ pub struct TrainArgs {
     pub layers: Option<usize>,
     #[arg(long)]
     pub heads: Option<usize>,
+    /// Experts of each mixture-of-experts MLP (0: a dense model; TOML `[model.moe] experts`)
+    #[arg(long)]
+    pub experts: Option<usize>,
+    /// Experts each token goes to: 1 (Switch Transformer) or 2 (GShard, the default)
+    #[arg(long)]
+    pub top_k: Option<usize>,
+    /// Every N-th block's MLP is a mixture of experts (blocks N−1, 2N−1, …; default 1)
+    #[arg(long, value_name = "N")]
+    pub moe_every: Option<usize>,
+    /// An expert takes at most ⌈C·k·T/E⌉ tokens of a sequence, the rest pass through the
+    /// residual; 0 (the default): no limit
+    #[arg(long, value_name = "C")]
+    pub capacity_factor: Option<f64>,
+    /// α of the load-balancing loss α·E·Σ f·P (default 0.01)
+    #[arg(long, value_name = "ALPHA")]
+    pub aux_loss_coef: Option<f64>,
     /// Share the token embedding with the LM head
     #[arg(long)]
     pub tied: bool,
@@ -264,7 +280,9 @@ pub fn resolve(
     set!(dp => dp, pp => pp, tp => tp, zero => zero, schedule => schedule, microbatches => microbatches,
         virtual_stages => virtual_stages, split => split, steps => steps, batch => batch,
         seq_len => seq_len, d_model => model.d_model, layers => model.n_layer,
-        heads => model.n_head, lr => lr, min_lr => min_lr, warmup => warmup,
+        heads => model.n_head, experts => model.moe.experts, top_k => model.moe.top_k,
+        moe_every => model.moe.every, capacity_factor => model.moe.capacity_factor,
+        aux_loss_coef => model.moe.aux_loss_coef, lr => lr, min_lr => min_lr, warmup => warmup,
         weight_decay => weight_decay, decay => decay, beta1 => beta1, beta2 => beta2,
         eps => eps, grad_clip => grad_clip, seed => seed,
         threads_per_worker => threads_per_worker, comm_timeout => comm_timeout_secs,

@@ -329,11 +329,16 @@ impl GptConfig {
     }
 
     /// Training FLOPs per token at sequence length `t`: 6 per weight of every matrix
-    /// product (forward 2, backward 4), plus attention's `q·kᵀ` and `a·v`
+    /// product a token passes (forward 2, backward 4; of a mixture of experts the `k`
+    /// experts it goes to and the router), plus attention's `q·kᵀ` and `a·v`
     /// (6 · 2 · n_layer · t · d, counting the full square as PaLM's appendix does).
     pub fn flops_per_token(&self, t: usize) -> f64 {
         let d = self.d_model as f64;
-        let matmul_weights = self.n_layer as f64 * 12.0 * d * d + self.vocab_size as f64 * d;
+        // A mixture of experts: `k` expert MLPs a token and the router.
+        let moe = self.moe.moe_layers(self.n_layer) as f64
+            * ((self.moe.top_k as f64 - 1.0) * 8.0 * d * d + self.moe.experts as f64 * d);
+        let matmul_weights =
+            self.n_layer as f64 * 12.0 * d * d + moe + self.vocab_size as f64 * d;
         6.0 * matmul_weights + 12.0 * self.n_layer as f64 * t as f64 * d
     }
 }
@@ -406,6 +411,33 @@ mod tests {
         let count: usize = shapes.values().map(|s| s.iter().product::<usize>()).sum();
         assert_eq!(count, c.param_count());
         assert_eq!(GptConfig::infer(&shapes, c.n_head).unwrap(), c);
+    }
+
+    #[test]
+    fn experts_have_their_names_count_and_infer_back() {
+        let mut c = GptConfig::tiny(4);
+        c.moe = MoeConfig {
+            experts: 3,
+            every: 2,
+            ..MoeConfig::default()
+        };
+        let shapes: std::collections::HashMap<String, Vec<usize>> =
+            c.param_shapes().into_iter().collect();
+        let count: usize = shapes.values().map(|s| s.iter().product::<usize>()).sum();
+        assert_eq!(count, c.param_count());
+        assert_eq!(shapes["transformer.h.1.mlp.router.weight"], vec![3, 32]);
+        assert_eq!(
+            shapes["transformer.h.3.mlp.experts.2.c_fc.weight"],
+            vec![128, 32]
+        );
+        assert!(shapes.contains_key("transformer.h.0.mlp.c_fc.weight"));
+        assert!(!shapes.contains_key("transformer.h.1.mlp.c_fc.weight"));
+        assert_eq!(GptConfig::infer(&shapes, c.n_head).unwrap(), c);
+        // Experts where `every` cannot put them are refused.
+        let mut odd = shapes.clone();
+        odd.remove("transformer.h.3.mlp.router.weight");
+        let e = GptConfig::infer(&odd, c.n_head).unwrap_err().to_string();
+        assert!(e.contains("blocks [1]"), "{e}");
     }
 
     #[test]

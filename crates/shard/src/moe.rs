@@ -244,17 +244,29 @@ impl ParallelMoe {
             _ => picked.broadcast_div(&picked.sum_keepdim(D::Minus1)?)?,
         };
         let gates = (gates * mat(&r.kept, b * t)?)?.to_dtype(x.dtype())?;
-        let mut out = xf.zeros_like()?;
+        // Each expert on its tokens, gated; then one scatter-add of them all (in expert
+        // order for every token), so the graph keeps one `[B·T·k, d]` tensor, not a sum
+        // per expert.
+        let (mut ys, mut all) = (Vec::new(), Vec::new());
         for (e, expert) in self.experts.iter().enumerate() {
             let ids = &r.tokens[e];
             if ids.is_empty() {
                 continue;
             }
+            all.extend_from_slice(ids);
             let ids = Tensor::from_slice(ids, ids.len(), dev)?;
             let y = expert.forward(&xf.index_select(&ids, 0)?)?;
             let g = gates.index_select(&ids, 0)?.narrow(1, e, 1)?;
-            out = out.index_add(&ids, &y.broadcast_mul(&g)?, 0)?;
+            ys.push(y.broadcast_mul(&g)?);
         }
+        let mut out = match ys.is_empty() {
+            true => xf.zeros_like()?,
+            false => xf.zeros_like()?.index_add(
+                &Tensor::from_vec(all.clone(), all.len(), dev)?,
+                &Tensor::cat(&ys, 0)?,
+                0,
+            )?,
+        };
         if self.opts.aux_loss_coef > 0.0 {
             // Σ over the sequences of E · Σ_e f_e · P_e.
             let p_sum = probs.reshape((b, t, e_n))?.sum(1)?;

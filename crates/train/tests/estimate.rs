@@ -375,3 +375,28 @@ fn sequence_parallelism_is_predicted_and_divides_the_replicated_activations() {
         );
     }
 }
+
+/// Mixtures of experts (4 experts, top 2, every other block; and top 1 in every block):
+/// their parameters, packed weights and activations are predicted within ten percent.
+#[test]
+fn mixtures_of_experts_are_predicted_within_ten_percent() {
+    let mut worst: f64 = 0.0;
+    for (layout, s, top_k, every) in [
+        ((1, 1, 1), "1f1b", 2, 2),
+        ((1, 2, 1), "1f1b", 2, 2),
+        ((1, 1, 2), "1f1b", 2, 2),
+        ((2, 2, 1), "gpipe", 1, 1),
+    ] {
+        let mut c = cfg(layout, s, gpt(128, 4));
+        c.seq_len = 64;
+        c.model.block_size = 64;
+        c.model.moe = switchyard_models::MoeConfig {
+            experts: 4,
+            top_k,
+            every,
+            ..Default::default()
+        };
+        worst = worst.max(worst_error(&c));
+    }
+    assert!(worst <= 0.10, "worst error {:.1} %", 100.0 * worst);
+}

@@ -139,3 +139,61 @@ fn what_cannot_route_is_refused_before_any_work() {
         .to_string();
     assert!(e.contains("--sequence-parallel"), "{e}");
 }
+
+#[test]
+fn checkpoints_reshard_and_export_with_the_experts_names() {
+    use switchyard_train::{weights::Weights, Resume};
+    let dir = std::env::temp_dir().join(format!("switchyard-moe-ckpt-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let run_cfg = |dp, pp, tp, s| {
+        let mut c = moe(dp, pp, tp, s);
+        c.batch = 8;
+        c.steps = 6;
+        c
+    };
+    let run = |cfg: &TrainConfig<GptConfig>, save_every, resume| {
+        let opts = TrainOptions {
+            checkpoint_dir: Some(dir.clone()),
+            save_every,
+            keep: 0,
+            resume,
+            ..TrainOptions::default()
+        };
+        let r = train(cfg, &Corpus::bundled(), &opts).unwrap();
+        r.steps.iter().map(|s| s.loss).collect::<Vec<f64>>()
+    };
+    let full = run(&run_cfg(1, 2, 2, "1f1b"), 3, None);
+    for (dp, pp, tp, s) in [(1, 1, 1, "1f1b"), (2, 1, 2, "1f1b"), (1, 4, 1, "interleaved")] {
+        let resumed = run(&run_cfg(dp, pp, tp, s), 0, Some(Resume::Step(3)));
+        for (k, (r, f)) in resumed.iter().zip(&full[3..]).enumerate() {
+            let e = (r - f).abs() / f.abs();
+            assert!(e <= 1e-5, "dp {dp} pp {pp} tp {tp} {s}: step {} {r} vs {f}", k + 3);
+        }
+    }
+    // The exported state dict names every expert, and a run started from it begins
+    // exactly where the reference does with these weights.
+    let cfg = run_cfg(1, 2, 2, "1f1b");
+    let w = Weights::load(&dir, &cfg.model).unwrap();
+    let file = dir.join("moe.safetensors");
+    w.export(&file).unwrap();
+    let raw = candle_core::safetensors::load(&file, &candle_core::Device::Cpu).unwrap();
+    for name in [
+        "transformer.h.1.mlp.router.weight",
+        "transformer.h.7.mlp.experts.3.c_proj.bias",
+        "transformer.h.0.mlp.c_fc.weight",
+    ] {
+        assert!(raw.contains_key(name), "{name} missing");
+    }
+    let from_file = Weights::load(&file, &GptConfig::default()).unwrap();
+    assert_eq!(from_file.config, cfg.model);
+    let mut fresh = cfg.clone();
+    fresh.steps = 1;
+    let opts = TrainOptions {
+        init: Some(file.clone()),
+        ..TrainOptions::default()
+    };
+    let started = train(&fresh, &Corpus::bundled(), &opts).unwrap().steps[0].loss;
+    let (want, _) = reference_step(&fresh, &from_file.tensors, 0);
+    assert!((started - want).abs() / want <= 1e-5, "{started} vs {want}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
