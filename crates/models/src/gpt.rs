@@ -356,6 +356,10 @@ impl Model for GptConfig {
         self.moe.is_dense()
     }
 
+    fn experts(&self) -> usize {
+        self.moe.experts
+    }
+
     fn width(&self) -> Option<usize> {
         Some(self.d_model)
     }

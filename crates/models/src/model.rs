@@ -70,6 +70,13 @@ pub trait Model:
         false
     }
 
+    /// Experts per mixture-of-experts layer (0: none), which expert parallelism spreads
+    /// over replicas (`ParamStore::set_expert_group`). Default: none (the trainer then
+    /// refuses `--ep` above 1).
+    fn experts(&self) -> usize {
+        0
+    }
+
     /// Elements per token of the activation a stage passes to the next, and of each
     /// tensor-parallel all-reduce (the hidden width), for the time model
     /// (`switchyard_train::estimate::time`). Default: unknown (messages then count their

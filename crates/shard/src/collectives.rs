@@ -66,7 +66,7 @@ impl Collective {
 }
 
 /// Copies `src` viewed through `layout` into fresh contiguous CPU storage.
-fn copy_out(src: &CpuStorage, layout: &Layout) -> Result<CpuStorage> {
+pub(crate) fn copy_out(src: &CpuStorage, layout: &Layout) -> Result<CpuStorage> {
     // SAFETY: `copy_strided_src` writes every element of the freshly allocated storage.
     let mut dst = unsafe { CpuDevice.alloc_uninit(layout.shape(), src.dtype())? };
     src.copy_strided_src(&mut dst, 0, layout)?;
@@ -74,7 +74,7 @@ fn copy_out(src: &CpuStorage, layout: &Layout) -> Result<CpuStorage> {
 }
 
 /// Copies `src` viewed through `layout` into fresh contiguous storage on its device.
-fn copy_device<B>(src: &B, layout: &Layout) -> Result<B>
+pub(crate) fn copy_device<B>(src: &B, layout: &Layout) -> Result<B>
 where
     B: BackendStorage,
     B::Device: BackendDevice<Storage = B>,

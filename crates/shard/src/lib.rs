@@ -80,6 +80,7 @@
 //!   model of your own from these layers, its token table tied to its head (example
 //!   `own_model`).
 
+mod all_to_all;
 mod attention;
 pub mod collectives;
 mod embedding;
@@ -95,6 +96,7 @@ mod sequence;
 mod spec;
 pub mod storage;
 
+pub use all_to_all::all_to_all_rows;
 pub use attention::{LayerInit, ParallelSelfAttention};
 pub use collectives::{
     copy_to_region, gather_from_region, gather_seq, reduce_from_region, reduce_scatter_seq,

@@ -29,12 +29,14 @@
 //! a dense MLP, so an expert costs one all-reduce forward and one backward on the tokens
 //! it receives.
 
+use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use candle_core::{DType, Result, Tensor, Var, D};
 use switchyard_comm::Communicator;
 
+use crate::all_to_all::all_to_all_rows;
 use crate::attention::LayerInit;
 use crate::error::ShardError;
 use crate::mlp::ParallelMlp;
@@ -171,6 +173,10 @@ pub struct ParallelMoe {
     opts: MoeOptions,
     loss_scale: LossScale,
     name: String,
+    /// Expert parallelism ([`crate::ParamStore::set_expert_group`]): the group, and the
+    /// experts this rank computes for all of it.
+    ep: Option<Arc<dyn Communicator>>,
+    local: Range<usize>,
 }
 
 impl ParallelMoe {
@@ -209,13 +215,110 @@ impl ParallelMoe {
                 )
             })
             .collect::<Result<Vec<_>>>()?;
+        let ep = vb.store().expert_group();
+        let local = match &ep {
+            None => 0..opts.experts,
+            Some(g) => {
+                let n = g.world_size();
+                if !opts.experts.is_multiple_of(n) {
+                    return Err(ShardError::Invalid(format!(
+                        "{name}: {} experts do not divide over an expert-parallel group of {n}",
+                        opts.experts
+                    ))
+                    .into());
+                }
+                let per = opts.experts / n;
+                g.rank() * per..(g.rank() + 1) * per
+            }
+        };
         Ok(ParallelMoe {
             router,
             experts,
             opts,
             loss_scale,
             name,
+            ep,
+            local,
         })
+    }
+
+    /// Every expert on its tokens: `xs` holds `counts[e]` rows for expert `e`, expert
+    /// by expert; the outputs in the same order.
+    fn run_experts(&self, xs: &Tensor, counts: &[usize]) -> Result<Tensor> {
+        let mut ys = Vec::new();
+        let mut off = 0;
+        for (expert, &n) in self.experts.iter().zip(counts) {
+            if n > 0 {
+                ys.push(expert.forward(&xs.narrow(0, off, n)?)?);
+            }
+            off += n;
+        }
+        Tensor::cat(&ys, 0)
+    }
+
+    /// [`Self::run_experts`] over the expert-parallel group: the rows go to the ranks
+    /// that compute their experts (an all-to-all of the counts, then of the rows), each
+    /// rank runs its experts on what it received from the whole group, and a second
+    /// all-to-all brings the outputs back, in the order they were sent.
+    fn dispatched(
+        &self,
+        xs: &Tensor,
+        counts: &[usize],
+        ep: &Arc<dyn Communicator>,
+    ) -> Result<Tensor> {
+        let (n, per) = (ep.world_size(), self.local.len());
+        let mine = |r: usize| &counts[r * per..(r + 1) * per];
+        let send: Vec<usize> = (0..n).map(|r| mine(r).iter().sum()).collect();
+        let parts = (0..n)
+            .map(|r| {
+                let c: Vec<u32> = mine(r).iter().map(|&c| c as u32).collect();
+                Tensor::from_vec(c, per, &candle_core::Device::Cpu)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let from: Vec<Vec<u32>> = ep
+            .all_to_all(parts)?
+            .iter()
+            .map(|t| t.to_vec1::<u32>())
+            .collect::<Result<_>>()?;
+        let (recv, sizes) = all_to_all_rows(xs, ep, &send)?;
+        // The received rows: rank by rank, within each this rank's experts in order.
+        let mut rows: Vec<Vec<u32>> = vec![Vec::new(); per];
+        let mut at = 0u32;
+        for c in &from {
+            for (e, &k) in c.iter().enumerate() {
+                rows[e].extend(at..at + k);
+                at += k;
+            }
+        }
+        let dev = xs.device();
+        let (mut ys, mut pos) = (Vec::new(), vec![0u32; at as usize]);
+        let mut done = 0u32;
+        for (e, rows) in rows.iter().enumerate() {
+            if rows.is_empty() {
+                continue;
+            }
+            let ids = Tensor::from_slice(rows, rows.len(), dev)?;
+            ys.push(self.experts[self.local.start + e].forward(&recv.index_select(&ids, 0)?)?);
+            for (k, &row) in rows.iter().enumerate() {
+                pos[row as usize] = done + k as u32;
+            }
+            done += rows.len() as u32;
+        }
+        // Back in the order received (an empty `recv` still carries the gradient's
+        // way back, so that every rank takes part in both backward exchanges).
+        let back = match ys.is_empty() {
+            true => recv,
+            false => Tensor::cat(&ys, 0)?.index_select(&Tensor::from_vec(pos, at as usize, dev)?, 0)?,
+        };
+        let (out, got) = all_to_all_rows(&back, ep, &sizes)?;
+        if got != send {
+            return Err(ShardError::Invalid(format!(
+                "{}: sent {send:?} rows to the experts, got {got:?} back",
+                self.name
+            ))
+            .into());
+        }
+        Ok(out)
     }
 
     /// `x` `[B, T, d]` (replicated) to `[B, T, d]` (replicated).
@@ -244,29 +347,28 @@ impl ParallelMoe {
             _ => picked.broadcast_div(&picked.sum_keepdim(D::Minus1)?)?,
         };
         let gates = (gates * mat(&r.kept, b * t)?)?.to_dtype(x.dtype())?;
-        // Each expert on its tokens, gated; then one scatter-add of them all (in expert
-        // order for every token), so the graph keeps one `[B·T·k, d]` tensor, not a sum
-        // per expert.
-        let (mut ys, mut all) = (Vec::new(), Vec::new());
-        for (e, expert) in self.experts.iter().enumerate() {
-            let ids = &r.tokens[e];
-            if ids.is_empty() {
-                continue;
-            }
-            all.extend_from_slice(ids);
-            let ids = Tensor::from_slice(ids, ids.len(), dev)?;
-            let y = expert.forward(&xf.index_select(&ids, 0)?)?;
-            let g = gates.index_select(&ids, 0)?.narrow(1, e, 1)?;
-            ys.push(y.broadcast_mul(&g)?);
+        // The kept choices in dispatch order: expert by expert, tokens ascending.
+        let counts: Vec<usize> = r.tokens.iter().map(|t| t.len()).collect();
+        let ids: Vec<u32> = r.tokens.concat();
+        let mut out = xf.zeros_like()?;
+        if !ids.is_empty() || self.ep.is_some() {
+            let flat: Vec<u32> = r
+                .tokens
+                .iter()
+                .enumerate()
+                .flat_map(|(e, ts)| ts.iter().map(move |&t| t * e_n as u32 + e as u32))
+                .collect();
+            let n = ids.len();
+            let ids = Tensor::from_vec(ids, n, dev)?;
+            let xs = xf.index_select(&ids, 0)?;
+            let ys = match &self.ep {
+                None => self.run_experts(&xs, &counts)?,
+                Some(ep) => self.dispatched(&xs, &counts, ep)?,
+            };
+            let g = gates.flatten_all()?.index_select(&Tensor::from_vec(flat, n, dev)?, 0)?;
+            // One scatter-add of every gated output (in expert order for each token).
+            out = out.index_add(&ids, &ys.broadcast_mul(&g.unsqueeze(1)?)?, 0)?;
         }
-        let mut out = match ys.is_empty() {
-            true => xf.zeros_like()?,
-            false => xf.zeros_like()?.index_add(
-                &Tensor::from_vec(all.clone(), all.len(), dev)?,
-                &Tensor::cat(&ys, 0)?,
-                0,
-            )?,
-        };
         if self.opts.aux_loss_coef > 0.0 {
             // Σ over the sequences of E · Σ_e f_e · P_e.
             let p_sum = probs.reshape((b, t, e_n))?.sum(1)?;
@@ -278,9 +380,12 @@ impl ParallelMoe {
         out.reshape((b, t, d))
     }
 
-    /// Fuses every expert's weights for the step (see [`ParallelMlp::begin_step`]).
+    /// Fuses the weights of every expert this rank computes for the step (see
+    /// [`ParallelMlp::begin_step`]).
     pub fn begin_step(&self) -> Result<()> {
-        self.experts.iter().try_for_each(|e| e.begin_step())
+        self.experts[self.local.clone()]
+            .iter()
+            .try_for_each(|e| e.begin_step())
     }
 
     pub fn end_step(&self) {
@@ -288,7 +393,9 @@ impl ParallelMoe {
     }
 
     pub fn release_step(&self) -> Result<()> {
-        self.experts.iter().try_for_each(|e| e.release_step())
+        self.experts[self.local.clone()]
+            .iter()
+            .try_for_each(|e| e.release_step())
     }
 
     /// The router's weight.

@@ -99,6 +99,8 @@ struct StoreInner {
     /// What this rank's sequence-parallel layers free once the group has moved on
     /// ([`crate::SequenceSplit`]): one list for all the layers of the rank.
     sequence_pending: crate::sequence::Pending,
+    /// [`ParamStore::set_expert_group`].
+    expert_group: Mutex<Option<Arc<dyn Communicator>>>,
 }
 
 /// The registry of the parameters created on this rank, in creation order.
@@ -150,6 +152,7 @@ impl ParamStore {
             selective_recompute: Default::default(),
             sequence_parallel: Default::default(),
             sequence_pending: Default::default(),
+            expert_group: Mutex::new(None),
         })))
     }
 
@@ -215,6 +218,22 @@ impl ParamStore {
                 .0
                 .sequence_parallel
                 .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Expert parallelism: the group over which the mixtures of experts built from now
+    /// on spread their experts (rank `j` of `n` computes experts `j·E/n ..
+    /// (j+1)·E/n` for the tokens of the whole group, which an all-to-all brings to it;
+    /// [`crate::ParallelMoe`]). The trainer's choice, set before it asks the model to
+    /// build its stages; a group of one rank (or none) computes every expert here.
+    pub fn set_expert_group(&self, group: Option<Arc<dyn Communicator>>) {
+        *lock(&self.0.expert_group) = group;
+    }
+
+    /// The group set by [`ParamStore::set_expert_group`], if it has several ranks.
+    pub fn expert_group(&self) -> Option<Arc<dyn Communicator>> {
+        lock(&self.0.expert_group)
+            .clone()
+            .filter(|g| g.world_size() > 1)
     }
 
     /// The list of tensors this rank's sequence-parallel layers free later.

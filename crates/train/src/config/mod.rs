@@ -124,6 +124,13 @@ pub struct TrainConfig<M> {
     /// checkpoints, the gradients equal to rounding. Absent in configurations and
     /// manifests written before it existed (`false`).
     pub sequence_parallel: bool,
+    /// Expert parallelism: the experts of each mixture of experts are spread over groups
+    /// of `ep` data-parallel replicas (consecutive ones), which send each other their
+    /// tokens with an all-to-all so that a replica computes `E / ep` experts for the
+    /// tokens of the whole group. Must divide `dp` and the model's experts; 1 (the
+    /// default, and in manifests written before it existed): every replica computes
+    /// every expert for its own tokens.
+    pub ep: usize,
 }
 
 impl<M: Default> Default for TrainConfig<M> {
@@ -173,6 +180,7 @@ impl<M> TrainConfig<M> {
             max_memory_per_worker: None,
             recompute: Recompute::None,
             sequence_parallel: false,
+            ep: 1,
         }
     }
 }
@@ -291,6 +299,7 @@ impl<M: Model> TrainConfig<M> {
         self.validate_numbers()?;
         m.check_layout(self.tp, self.seq_len)?;
         self.validate_sequence_parallel()?;
+        self.validate_expert_parallel()?;
         if self.microbatches == 0 || self.batch == 0 || self.steps == 0 {
             return Err(err!(
                 Config,
@@ -360,6 +369,32 @@ impl<M: Model> TrainConfig<M> {
             ));
         }
         debug_assert_eq!(world, self.world_size());
+        Ok(())
+    }
+
+    /// `--ep`: a mixture of experts whose experts divide over groups of replicas that
+    /// divide the data-parallel axis.
+    fn validate_expert_parallel(&self) -> Result<(), TrainError> {
+        let ep = self.ep;
+        if ep == 1 {
+            return Ok(());
+        }
+        if ep == 0 || !self.dp.is_multiple_of(ep) {
+            return Err(err!(
+                Config,
+                "--ep {ep} must divide --dp {}: the experts spread over groups of ep \
+                 data-parallel replicas",
+                self.dp
+            ));
+        }
+        let experts = self.model.experts();
+        if experts == 0 || !experts.is_multiple_of(ep) {
+            return Err(err!(
+                Config,
+                "--ep {ep} spreads each mixture of experts' experts over {ep} replicas, but \
+                 the model has {experts} experts a mixture: use an --ep that divides --experts"
+            ));
+        }
         Ok(())
     }
 

@@ -136,6 +136,12 @@ impl<'a, M: Model> Worker<'a, M> {
         let store = ParamStore::for_group_on(&*mesh.tp, &device, DType::F32, source)?;
         store.set_selective_recompute(cfg.recompute == Recompute::Selective);
         store.set_sequence_parallel(cfg.sequence_parallel);
+        if cfg.ep > 1 {
+            // Consecutive replicas share their experts: every rank takes part in the
+            // split of its data-parallel group.
+            let r = mesh.coord.dp;
+            store.set_expert_group(Some(mesh.dp.split_named(r / cfg.ep, r, "ep")?));
+        }
         let mut stages = Vec::new();
         for s in pipe.stages_of_rank(mesh.coord.pp as u32) {
             let stage = cfg
