@@ -30,6 +30,10 @@ pub struct TrainArgs {
     /// Tensor-parallel ranks
     #[arg(long)]
     pub tp: Option<usize>,
+    /// Expert parallelism: groups of this many data-parallel replicas spread each
+    /// mixture's experts over themselves (all-to-all); divides --dp and --experts
+    #[arg(long)]
+    pub ep: Option<usize>,
     /// gpipe, 1f1b, interleaved (2 virtual stages unless --virtual-stages), zb-h1, or
     /// the path of a CSV schedule (one row per pipeline rank: `0,0F0,0F1,0B0,0B1`;
     /// `./NAME` for a file named like a schedule)
@@ -277,7 +281,7 @@ pub fn resolve(
             $(if let Some(v) = a.$flag.clone() { c.$($field).+ = v; })*
         };
     }
-    set!(dp => dp, pp => pp, tp => tp, zero => zero, schedule => schedule, microbatches => microbatches,
+    set!(dp => dp, pp => pp, tp => tp, ep => ep, zero => zero, schedule => schedule, microbatches => microbatches,
         virtual_stages => virtual_stages, split => split, steps => steps, batch => batch,
         seq_len => seq_len, d_model => model.d_model, layers => model.n_layer,
         heads => model.n_head, experts => model.moe.experts, top_k => model.moe.top_k,

@@ -85,6 +85,15 @@ fn it_composes_with_recomputation_zero_and_a_tied_table() {
     let mut c = moe(2, 2, 1, "1f1b");
     c.overlap_grad_reduce = false;
     cases.push(c);
+    // Expert parallelism with ZeRO over the replicas and with recomputation.
+    for zero in [1, 2, 3] {
+        let mut c = moe(2, 1, 2, "1f1b");
+        (c.ep, c.zero) = (2, zero);
+        cases.push(c);
+    }
+    let mut c = moe(2, 2, 1, "zb-h1");
+    (c.ep, c.recompute) = (2, Recompute::Full);
+    cases.push(c);
     let mut c = moe(1, 2, 1, "interleaved");
     c.model.tied_embeddings = true;
     cases.push(c);
@@ -138,6 +147,20 @@ fn what_cannot_route_is_refused_before_any_work() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("--sequence-parallel"), "{e}");
+    for (dp, ep, experts, want) in [
+        (2, 4, 4, "--ep 4 must divide --dp 2"),
+        (4, 4, 6, "divides --experts"),
+        (2, 2, 0, "the model has 0 experts"),
+    ] {
+        let mut c = moe(dp, 1, 1, "1f1b");
+        c.ep = ep;
+        c.model.moe.experts = experts;
+        c.model.moe.top_k = 1;
+        let e = train(&c, &Corpus::bundled(), &TrainOptions::default())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(want), "{e}");
+    }
 }
 
 #[test]
@@ -231,4 +254,56 @@ fn expert_parallel_layouts_match_the_reference() {
         c.model.moe.top_k = 1;
         assert_step_parity(&c, 1e-5);
     }
+}
+
+#[test]
+fn the_all_to_alls_move_tokens_times_k_times_d_each_way() {
+    use std::sync::Arc;
+    use switchyard_comm::{local::Launcher, Communicator, Counting};
+    use switchyard_shard::ParamSource;
+    use switchyard_train::{TrainError, Worker};
+    for (dp, tp, ep, top_k) in [(2, 1, 2, 2), (4, 1, 4, 1), (2, 2, 2, 2), (4, 1, 2, 2)] {
+        let mut cfg = moe(dp, 1, tp, "1f1b");
+        cfg.ep = ep;
+        cfg.model.moe.top_k = top_k;
+        let steps = 2;
+        let corpus = Corpus::bundled();
+        let traffic = Launcher::new(cfg.world_size())
+            .threads_per_worker(1)
+            .run(|world: Arc<dyn Communicator>| {
+                let (world, counts) = Counting::wrap_groups(world);
+                let mut w = Worker::new(world, &cfg, &corpus, ParamSource::Init { seed: 1 })?;
+                for step in 0..steps {
+                    w.step(step)?.expect("finite");
+                }
+                Ok::<_, TrainError>(counts.traffic("dp/ep", "all_to_all"))
+            })
+            .unwrap_or_else(|e| panic!("{e:#}"));
+        // Per step: every token, k choices each, d floats of 4 bytes, sent to the
+        // experts and back in the forward, and both ways again in the backward, for
+        // each of the 4 mixtures; split over the ranks as the routing falls (a rank
+        // sends its own tokens, and returns what it received). The counts go first,
+        // once a microbatch and mixture: a u32 per expert from every rank.
+        let tokens = cfg.batch * cfg.seq_len;
+        let (layers, m, e, d) = (4, cfg.microbatches, 4, cfg.model.d_model);
+        let rows = 4 * tokens * top_k * d * 4;
+        let world = cfg.world_size();
+        let want_bytes = tp * steps * layers * (rows + world / tp * m * 4 * e);
+        let bytes: u128 = traffic.iter().map(|t| t.bytes).sum();
+        assert_eq!(
+            bytes, want_bytes as u128,
+            "dp {dp} tp {tp} ep {ep} top {top_k}"
+        );
+        for t in &traffic {
+            assert_eq!(t.calls, steps * layers * m * 5, "calls, dp {dp} ep {ep}");
+        }
+    }
+}
+
+#[test]
+fn a_failed_expert_parallel_rank_fails_the_other_without_a_hang() {
+    let mut c = moe(2, 1, 1, "1f1b");
+    c.ep = 2;
+    // The first collective rank 0 meets alone is the first mixture's all-to-all.
+    assert_a_failed_rank_fails_the_other(&c, &["all_to_all", "rank 0"]);
 }
