@@ -3,7 +3,7 @@
 
 use candle_core::{Result, Tensor, Var};
 use switchyard_shard::{
-    Builder, Init, LayerInit, LossScale, OpsBackend, ParallelMlp, ParallelMoe,
+    Builder, Init, LayerInit, MoeShared, OpsBackend, ParallelMlp, ParallelMoe,
     ParallelSelfAttention, Precision, SequenceSplit, ShardSpec, TpGroup,
 };
 
@@ -114,7 +114,7 @@ impl Block {
         tp: &TpGroup,
         seq: &SequenceSplit,
         init: LayerInit,
-        loss_scale: &LossScale,
+        moe: &MoeShared,
     ) -> Result<Block> {
         let d = cfg.d_model;
         // Created in the order of `GptConfig::param_shapes`.
@@ -130,7 +130,7 @@ impl Block {
                 4 * d,
                 init,
                 cfg.moe.options(),
-                loss_scale.clone(),
+                moe.clone(),
             )?),
         };
         Ok(Block {

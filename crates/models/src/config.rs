@@ -181,7 +181,10 @@ impl GptConfig {
     /// and the router (`E · d`).
     fn checked_moe_extra(&self) -> Option<usize> {
         let d = self.d_model;
-        let mlp = d.checked_mul(d)?.checked_mul(8)?.checked_add(d.checked_mul(5)?)?;
+        let mlp = d
+            .checked_mul(d)?
+            .checked_mul(8)?
+            .checked_add(d.checked_mul(5)?)?;
         let e = self.moe.experts;
         mlp.checked_mul(e.saturating_sub(1))?
             .checked_add(e.checked_mul(d)?)
@@ -337,8 +340,7 @@ impl GptConfig {
         // A mixture of experts: `k` expert MLPs a token and the router.
         let moe = self.moe.moe_layers(self.n_layer) as f64
             * ((self.moe.top_k as f64 - 1.0) * 8.0 * d * d + self.moe.experts as f64 * d);
-        let matmul_weights =
-            self.n_layer as f64 * 12.0 * d * d + moe + self.vocab_size as f64 * d;
+        let matmul_weights = self.n_layer as f64 * 12.0 * d * d + moe + self.vocab_size as f64 * d;
         6.0 * matmul_weights + 12.0 * self.n_layer as f64 * t as f64 * d
     }
 }

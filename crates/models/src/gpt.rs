@@ -12,7 +12,7 @@
 
 use candle_core::{DType, Module, Result, Tensor, Var};
 use switchyard_shard::{
-    vocab_parallel_cross_entropy_with, ColumnParallelLinear, Init, LayerInit, LossScale,
+    vocab_parallel_cross_entropy_with, ColumnParallelLinear, Init, LayerInit, MoeShared,
     OpsBackend, ParamStore, SequenceSplit, ShardSpec, TpGroup, VocabParallelEmbedding,
 };
 
@@ -62,8 +62,9 @@ pub struct GptStage {
     seq: SequenceSplit,
     vocab_size: usize,
     ops: OpsBackend,
-    /// What the executor scales the loss by, for the mixtures of experts' balancing loss.
-    loss_scale: LossScale,
+    /// The loss scale the executor tells the stage (for the mixtures of experts'
+    /// balancing loss), and what the mixtures count ([`ModelStage::take_metrics`]).
+    moe: MoeShared,
     params: Vec<Var>,
     /// The parameters of each segment (`Stage::segment_params`): the embeddings with the
     /// first block, the head with the last.
@@ -92,7 +93,7 @@ impl GptStage {
             .with_precision(cfg.precision);
         let first_param = store.len();
         let seq = SequenceSplit::new(&vb, tp.clone());
-        let loss_scale = LossScale::default();
+        let moe = MoeShared::default();
         let d = cfg.d_model;
         let init = LayerInit {
             weight: Init::Normal { std: INIT_STD },
@@ -132,7 +133,7 @@ impl GptStage {
             .map(|i| {
                 let vb = vb.pp(format!("transformer.h.{i}"));
                 let from = store.len();
-                let block = Block::new(cfg, i, &vb, &tp, &seq, init, &loss_scale)?;
+                let block = Block::new(cfg, i, &vb, &tp, &seq, init, &moe)?;
                 block_vars.push(store.vars()[from..].to_vec());
                 Ok(block)
             })
@@ -189,7 +190,7 @@ impl GptStage {
             seq,
             vocab_size: cfg.vocab_size,
             ops: cfg.ops,
-            loss_scale,
+            moe,
             params,
             segments,
         })
@@ -265,7 +266,10 @@ impl switchyard_pipeline::Stage for GptStage {
     }
     /// The mixtures of experts scale their balancing loss's gradient by it.
     fn set_loss_scale(&self, scale: f64) {
-        self.loss_scale.set(scale)
+        self.moe.loss_scale.set(scale)
+    }
+    fn recomputing(&self, on: bool) {
+        self.moe.stats.set_recomputing(on)
     }
     fn segment_params(&self, i: usize) -> Vec<Var> {
         self.segments.get(i).cloned().unwrap_or_default()
@@ -301,6 +305,10 @@ impl switchyard_pipeline::Stage for GptStage {
 impl ModelStage for GptStage {
     fn loss(&self, out: &Tensor, target: &Tensor) -> Result<Tensor> {
         GptStage::loss(self, out, target)
+    }
+    /// The mixtures of experts' routing ([`switchyard_shard::MoeStats`]).
+    fn take_metrics(&self) -> Vec<(String, f64)> {
+        self.moe.stats.take()
     }
 }
 
@@ -358,6 +366,23 @@ impl Model for GptConfig {
 
     fn experts(&self) -> usize {
         self.moe.experts
+    }
+
+    /// With mixtures of experts: the balancing loss's part of the objective, the
+    /// choices and those dropped, and each expert's tokens.
+    fn step_metrics(&self) -> Vec<String> {
+        if self.moe.is_dense() {
+            return Vec::new();
+        }
+        let mut names: Vec<String> = ["moe/aux_loss", "moe/choices", "moe/dropped"]
+            .map(String::from)
+            .to_vec();
+        for i in (0..self.n_layer).filter(|&i| self.moe.is_moe_layer(i)) {
+            for e in 0..self.moe.experts {
+                names.push(format!("transformer.h.{i}.mlp.experts.{e}.tokens"));
+            }
+        }
+        names
     }
 
     fn width(&self) -> Option<usize> {

@@ -180,8 +180,8 @@ pub(crate) fn footprint(
     // probabilities and the masks and gates derived from them). Within 5 % of the
     // measurement in `tests/estimate.rs`.
     let k = cfg.moe.top_k as f64;
-    let moe_block = k * (8.0 * d / a * kept + 4.0 * d) + 2.0 * d + 12.0 * experts as f64
-        - 8.0 * d / a * kept;
+    let moe_block =
+        k * (8.0 * d / a * kept + 4.0 * d) + 2.0 * d + 12.0 * experts as f64 - 8.0 * d / a * kept;
     let moe_all = moe_layers as f64 * moe_block;
     let moe_one = if moe_layers > 0 { moe_block } else { 0.0 };
     let mut tensors = block_tensors * layers + moe_layers * (12 * experts + 20);

@@ -77,6 +77,13 @@ pub trait Model:
         0
     }
 
+    /// The names of what the stages count each step besides the loss
+    /// ([`ModelStage::take_metrics`]); the trainer sums each over the job's ranks (one
+    /// per tensor-parallel group) and reports the sums. Default: none.
+    fn step_metrics(&self) -> Vec<String> {
+        Vec::new()
+    }
+
     /// Elements per token of the activation a stage passes to the next, and of each
     /// tensor-parallel all-reduce (the hidden width), for the time model
     /// (`switchyard_train::estimate::time`). Default: unknown (messages then count their
@@ -315,6 +322,11 @@ pub trait ModelStage: switchyard_pipeline::Stage {
     /// The mean loss of the last stage's `out` against `target` over the microbatch,
     /// identical on every tensor-parallel rank.
     fn loss(&self, out: &Tensor, target: &Tensor) -> candle_core::Result<Tensor>;
+    /// What this stage counted since the last call, by a name of
+    /// [`Model::step_metrics`] (a sum over its forwards). Default: nothing.
+    fn take_metrics(&self) -> Vec<(String, f64)> {
+        Vec::new()
+    }
 }
 
 /// One parameter that several stages use (a token embedding tied to the LM head).

@@ -170,12 +170,13 @@ impl ReferenceGpt {
                 .map(|p| {
                     let mut top: Vec<usize> = Vec::new();
                     for _ in 0..k {
-                        let best = (0..e_n)
-                            .filter(|e| !top.contains(e))
-                            .fold(None, |best: Option<usize>, e| match best {
+                        let best = (0..e_n).filter(|e| !top.contains(e)).fold(
+                            None,
+                            |best: Option<usize>, e| match best {
                                 Some(j) if p[j] >= p[e] => Some(j),
                                 _ => Some(e),
-                            });
+                            },
+                        );
                         top.extend(best);
                     }
                     top

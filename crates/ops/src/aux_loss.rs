@@ -104,7 +104,10 @@ mod tests {
         assert_eq!(y.to_vec1::<f32>()?, vec![1.0, -2.0, 3.0]);
         let loss = (y * 2.0)?.sum_all()?;
         let g = loss.backward()?;
-        assert_eq!(g.get(x.as_tensor()).unwrap().to_vec1::<f32>()?, vec![2.0; 3]);
+        assert_eq!(
+            g.get(x.as_tensor()).unwrap().to_vec1::<f32>()?,
+            vec![2.0; 3]
+        );
         let gw = g.get(w.as_tensor()).unwrap().to_vec1::<f32>()?;
         assert!((gw[0] - 6.0 * 0.5 * 0.25).abs() < 1e-7, "{gw:?}");
         Ok(())

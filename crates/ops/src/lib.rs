@@ -85,8 +85,8 @@
 //! `own_model`).
 
 mod attention;
-mod avx512;
 mod aux_loss;
+mod avx512;
 mod backend;
 mod bf16;
 mod bias;

@@ -242,7 +242,10 @@ pub(crate) fn recompute(
         let grads = hooked.around(i, || {
             // The recomputed activations are activations, in the backward's memory.
             let activations = switchyard_mem::scope(switchyard_mem::Category::Activations);
-            let mut y = stage.forward_segment(i, &x)?;
+            stage.recomputing(true);
+            let y = stage.forward_segment(i, &x);
+            stage.recomputing(false);
+            let mut y = y?;
             if i + 1 == n {
                 if let Some(loss) = loss {
                     y = loss(&y)?;

@@ -87,6 +87,12 @@ pub trait Stage: Send + Sync {
     fn set_loss_scale(&self, scale: f64) {
         let _ = scale;
     }
+    /// Whether the forwards from now on run again inside a backward (activation
+    /// recomputation), so that a stage counting something per forward (a mixture of
+    /// experts' routing) counts each microbatch once. Default: ignored.
+    fn recomputing(&self, on: bool) {
+        let _ = on;
+    }
 }
 
 /// Any candle [`Module`] (or closure) with its parameters, as a [`Stage`].

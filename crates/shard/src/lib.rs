@@ -107,7 +107,7 @@ pub use error::ShardError;
 pub use linear::{ColumnConfig, ColumnParallelLinear, RowConfig, RowParallelLinear};
 pub use loss::{vocab_parallel_cross_entropy, vocab_parallel_cross_entropy_with};
 pub use mlp::ParallelMlp;
-pub use moe::{route, LossScale, MoeOptions, ParallelMoe, Routing};
+pub use moe::{route, LossScale, MoeOptions, MoeShared, MoeStats, ParallelMoe, Routing};
 pub use param::{Builder, Init, Param, ParamSource, ParamStore};
 pub use sequence::{SequenceSplit, SEQUENCE_DIM};
 pub use spec::{gather_full_tensor, ShardSpec};

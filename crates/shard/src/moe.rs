@@ -29,9 +29,10 @@
 //! a dense MLP, so an expert costs one all-reduce forward and one backward on the tokens
 //! it receives.
 
+use std::collections::BTreeMap;
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use candle_core::{DType, Result, Tensor, Var, D};
 use switchyard_comm::Communicator;
@@ -161,6 +162,55 @@ impl LossScale {
     }
 }
 
+/// What a stage's mixtures of experts counted since the last [`MoeStats::take`],
+/// summed by name: `moe/aux_loss` (the balancing loss's part of the objective, already
+/// a mean over the job's sequences once summed over microbatches and replicas),
+/// `moe/choices` and `moe/dropped` (the tokens' choices, and those over capacity), and
+/// `{layer}.experts.{e}.tokens` (the choices each expert computed). A forward run
+/// again in a backward ([`MoeStats::set_recomputing`]) is not counted twice.
+#[derive(Debug, Clone, Default)]
+pub struct MoeStats(Arc<Mutex<StatsInner>>);
+
+#[derive(Debug, Default)]
+struct StatsInner {
+    sums: BTreeMap<String, f64>,
+    recomputing: bool,
+}
+
+impl MoeStats {
+    /// Whether the forwards from now on are recomputations (not counted).
+    pub fn set_recomputing(&self, on: bool) {
+        self.lock().recomputing = on;
+    }
+
+    /// The sums since the last take, by name.
+    pub fn take(&self) -> Vec<(String, f64)> {
+        std::mem::take(&mut self.lock().sums).into_iter().collect()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, StatsInner> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn add(&self, values: impl IntoIterator<Item = (String, f64)>) {
+        let mut s = self.lock();
+        if s.recomputing {
+            return;
+        }
+        for (k, v) in values {
+            *s.sums.entry(k).or_default() += v;
+        }
+    }
+}
+
+/// What a stage's mixtures of experts share with the stage: the scale of the
+/// objective's gradient it is told, and where they count their routing.
+#[derive(Debug, Clone, Default)]
+pub struct MoeShared {
+    pub loss_scale: LossScale,
+    pub stats: MoeStats,
+}
+
 /// A mixture-of-experts MLP on a tensor-parallel group.
 ///
 /// Given the *block's* builder (prefix `transformer.h.{i}`), it creates
@@ -172,6 +222,7 @@ pub struct ParallelMoe {
     experts: Vec<ParallelMlp>,
     opts: MoeOptions,
     loss_scale: LossScale,
+    stats: MoeStats,
     name: String,
     /// Expert parallelism ([`crate::ParamStore::set_expert_group`]): the group, and the
     /// experts this rank computes for all of it.
@@ -187,8 +238,9 @@ impl ParallelMoe {
         hidden: usize,
         init: LayerInit,
         opts: MoeOptions,
-        loss_scale: LossScale,
+        shared: MoeShared,
     ) -> Result<Self> {
+        let MoeShared { loss_scale, stats } = shared;
         let vb = vb.pp("mlp");
         let name = vb.prefix().to_string();
         if opts.experts == 0 || opts.top_k == 0 || opts.top_k > opts.experts {
@@ -236,6 +288,7 @@ impl ParallelMoe {
             experts,
             opts,
             loss_scale,
+            stats,
             name,
             ep,
             local,
@@ -308,7 +361,9 @@ impl ParallelMoe {
         // way back, so that every rank takes part in both backward exchanges).
         let back = match ys.is_empty() {
             true => recv,
-            false => Tensor::cat(&ys, 0)?.index_select(&Tensor::from_vec(pos, at as usize, dev)?, 0)?,
+            false => {
+                Tensor::cat(&ys, 0)?.index_select(&Tensor::from_vec(pos, at as usize, dev)?, 0)?
+            }
         };
         let (out, got) = all_to_all_rows(&back, ep, &sizes)?;
         if got != send {
@@ -335,7 +390,9 @@ impl ParallelMoe {
             .to_dtype(DType::F32)?
             .matmul(&self.router.as_tensor().to_dtype(DType::F32)?.t()?)?;
         let probs = {
-            let z = logits.broadcast_sub(&logits.max_keepdim(D::Minus1)?)?.exp()?;
+            let z = logits
+                .broadcast_sub(&logits.max_keepdim(D::Minus1)?)?
+                .exp()?;
             z.broadcast_div(&z.sum_keepdim(D::Minus1)?)?
         };
         let r = route(&probs.flatten_all()?.to_vec1::<f32>()?, b, t, &self.opts);
@@ -365,18 +422,37 @@ impl ParallelMoe {
                 None => self.run_experts(&xs, &counts)?,
                 Some(ep) => self.dispatched(&xs, &counts, ep)?,
             };
-            let g = gates.flatten_all()?.index_select(&Tensor::from_vec(flat, n, dev)?, 0)?;
+            let g = gates
+                .flatten_all()?
+                .index_select(&Tensor::from_vec(flat, n, dev)?, 0)?;
             // One scatter-add of every gated output (in expert order for each token).
             out = out.index_add(&ids, &ys.broadcast_mul(&g.unsqueeze(1)?)?, 0)?;
         }
+        let mut aux_part = 0.0;
         if self.opts.aux_loss_coef > 0.0 {
             // Σ over the sequences of E · Σ_e f_e · P_e.
             let p_sum = probs.reshape((b, t, e_n))?.sum(1)?;
             let aux = (p_sum * mat(&r.counts, b)?)?.sum_all()?;
             let aux = (aux * (e_n as f64 / (self.opts.top_k * t * t) as f64))?;
             let scale = self.opts.aux_loss_coef * self.loss_scale.get() / b as f64;
+            aux_part = scale * aux.to_dtype(DType::F64)?.to_scalar::<f64>()?;
             out = switchyard_ops::attach_loss(&out, &aux, scale)?;
         }
+        let name = &self.name;
+        self.stats.add(
+            [
+                ("moe/aux_loss".to_string(), aux_part),
+                ("moe/choices".into(), (b * t * self.opts.top_k) as f64),
+                ("moe/dropped".into(), r.dropped as f64),
+            ]
+            .into_iter()
+            .chain(
+                counts
+                    .iter()
+                    .enumerate()
+                    .map(|(e, &n)| (format!("{name}.experts.{e}.tokens"), n as f64)),
+            ),
+        );
         out.reshape((b, t, d))
     }
 

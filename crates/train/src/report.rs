@@ -46,6 +46,12 @@ pub struct StepRecord {
     pub grad_reduce_exposed_ms: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub grad_reduce_imbalance_ms: Option<f64>,
+    /// What the model counted this step (`Model::step_metrics`, summed over the job):
+    /// for a mixture of experts the balancing loss's part of the objective
+    /// (`moe/aux_loss`), the tokens' choices and those over capacity, and each expert's
+    /// tokens.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub model: BTreeMap<String, f64>,
 }
 
 impl StepRecord {
@@ -66,6 +72,7 @@ impl StepRecord {
                 .grad_reduce
                 .as_ref()
                 .map(|g| 1e3 * g.imbalance.as_secs_f64()),
+            model: m.model.iter().cloned().collect(),
         }
     }
 }
@@ -556,8 +563,18 @@ impl Sink {
             Some(v) => format!(" | val {v:.4}"),
             None => String::new(),
         };
+        let moe = match (r.model.get("moe/aux_loss"), r.model.get("moe/dropped")) {
+            (Some(aux), Some(dropped)) => {
+                let choices = r.model.get("moe/choices").copied().unwrap_or(0.0);
+                format!(
+                    " | aux {aux:.4} dropped {:.1}%",
+                    100.0 * dropped / choices.max(1.0)
+                )
+            }
+            _ => String::new(),
+        };
         let line = format!(
-            "step {done:>5}/{} loss {:.4}{val} | {:>6.0} tok/s | lr {:.2e} | eta {:.0}s",
+            "step {done:>5}/{} loss {:.4}{val}{moe} | {:>6.0} tok/s | lr {:.2e} | eta {:.0}s",
             self.steps, r.loss, r.tokens_per_s, r.lr, eta
         );
         if self.tty {

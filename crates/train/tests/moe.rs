@@ -39,7 +39,11 @@ fn every_layout_and_schedule_matches_the_reference() {
 
 #[test]
 fn the_composed_ops_match_too() {
-    for (dp, pp, tp, s) in [(1, 1, 1, "1f1b"), (1, 2, 2, "interleaved"), (2, 2, 1, "zb-h1")] {
+    for (dp, pp, tp, s) in [
+        (1, 1, 1, "1f1b"),
+        (1, 2, 2, "interleaved"),
+        (2, 2, 1, "zb-h1"),
+    ] {
         let mut c = moe(dp, pp, tp, s);
         c.model.ops = OpsBackend::Composed;
         assert_step_parity(&c, 1e-5);
@@ -186,11 +190,19 @@ fn checkpoints_reshard_and_export_with_the_experts_names() {
         r.steps.iter().map(|s| s.loss).collect::<Vec<f64>>()
     };
     let full = run(&run_cfg(1, 2, 2, "1f1b"), 3, None);
-    for (dp, pp, tp, s) in [(1, 1, 1, "1f1b"), (2, 1, 2, "1f1b"), (1, 4, 1, "interleaved")] {
+    for (dp, pp, tp, s) in [
+        (1, 1, 1, "1f1b"),
+        (2, 1, 2, "1f1b"),
+        (1, 4, 1, "interleaved"),
+    ] {
         let resumed = run(&run_cfg(dp, pp, tp, s), 0, Some(Resume::Step(3)));
         for (k, (r, f)) in resumed.iter().zip(&full[3..]).enumerate() {
             let e = (r - f).abs() / f.abs();
-            assert!(e <= 1e-5, "dp {dp} pp {pp} tp {tp} {s}: step {} {r} vs {f}", k + 3);
+            assert!(
+                e <= 1e-5,
+                "dp {dp} pp {pp} tp {tp} {s}: step {} {r} vs {f}",
+                k + 3
+            );
         }
     }
     // The exported state dict names every expert, and a run started from it begins
@@ -306,4 +318,63 @@ fn a_failed_expert_parallel_rank_fails_the_other_without_a_hang() {
     c.ep = 2;
     // The first collective rank 0 meets alone is the first mixture's all-to-all.
     assert_a_failed_rank_fails_the_other(&c, &["all_to_all", "rank 0"]);
+}
+
+#[test]
+fn the_step_reports_the_balancing_loss_and_where_the_tokens_went() {
+    use switchyard_models::ReferenceGpt;
+    use switchyard_train::data::{Dataset, Sampler};
+    let base = moe(1, 1, 1, "1f1b");
+    let weights = initial_weights(&base);
+    let (x, y) = Corpus::bundled()
+        .batch(&Sampler::of(&base), 0, 0..base.batch)
+        .unwrap();
+    let mut cases = Vec::new();
+    for (dp, pp, tp, ep, s) in [
+        (1, 1, 1, 1, "1f1b"),
+        (2, 2, 1, 2, "zb-h1"),
+        (2, 1, 2, 2, "1f1b"),
+        (1, 2, 2, 1, "interleaved"),
+    ] {
+        for capacity in [0.0, 0.5] {
+            let mut c = moe(dp, pp, tp, s);
+            (c.ep, c.steps, c.batch) = (ep, 1, base.batch);
+            c.model.moe.capacity_factor = capacity;
+            cases.push(c);
+        }
+    }
+    // Recomputation runs every forward twice: counted once.
+    let mut c = moe(2, 2, 1, "1f1b");
+    (c.recompute, c.steps, c.batch) = (Recompute::Full, 1, base.batch);
+    cases.push(c);
+    for c in &cases {
+        let what = format!(
+            "dp {} pp {} tp {} ep {} {} C {}",
+            c.dp, c.pp, c.tp, c.ep, c.schedule, c.model.moe.capacity_factor
+        );
+        let reference = ReferenceGpt::new(&c.model, &weights).unwrap();
+        let (ce, objective) = reference.objective(&x, &y).unwrap();
+        let want_aux = (objective - ce).unwrap().to_scalar::<f32>().unwrap() as f64;
+        let report = train(c, &Corpus::bundled(), &TrainOptions::default()).unwrap();
+        let m = &report.steps[0].model;
+        let aux = m["moe/aux_loss"];
+        assert!(
+            (aux - want_aux).abs() <= 1e-5 * want_aux,
+            "{what}: aux {aux} vs reference {want_aux}"
+        );
+        // 4 mixtures, every token 2 choices.
+        let choices = (4 * c.batch * c.seq_len * 2) as f64;
+        assert_eq!(m["moe/choices"], choices, "{what}");
+        let tokens: f64 = m
+            .iter()
+            .filter(|(k, _)| k.ends_with(".tokens"))
+            .map(|(_, v)| v)
+            .sum();
+        assert_eq!(tokens + m["moe/dropped"], choices, "{what}");
+        assert_eq!(
+            m["moe/dropped"] > 0.0,
+            c.model.moe.capacity_factor > 0.0,
+            "{what}"
+        );
+    }
 }

@@ -71,6 +71,9 @@ pub struct StepMetrics {
     /// The data-parallel gradient all-reduce of this step (`None` without replicas, or
     /// under ZeRO).
     pub grad_reduce: Option<GradReduceStats>,
+    /// What the model counted ([`switchyard_models::Model::step_metrics`]), summed over
+    /// the job (one rank of each tensor-parallel group), by name.
+    pub model: Vec<(String, f64)>,
 }
 
 /// The error of a step that found a non-finite loss or gradient.
@@ -340,6 +343,24 @@ impl<'a, M: Model> Worker<'a, M> {
         Ok((pass.grads, pass.losses, pass.stats))
     }
 
+    /// What this rank's stages counted since the last call, in the order of
+    /// [`switchyard_models::Model::step_metrics`]; zeros but on tensor rank 0 (its
+    /// peers counted the same).
+    pub(super) fn model_metrics(&self) -> Vec<f64> {
+        let names = self.cfg.model.step_metrics();
+        let mut out = vec![0.0; names.len()];
+        for (_, s) in &self.stages {
+            for (n, v) in switchyard_models::ModelStage::take_metrics(s) {
+                if let Some(k) = names.iter().position(|m| *m == n) {
+                    if self.mesh.coord.tp == 0 {
+                        out[k] += v;
+                    }
+                }
+            }
+        }
+        out
+    }
+
     /// One full training step (see the module docs). Collective over the world.
     pub fn step(&mut self, step: usize) -> Result<std::result::Result<StepMetrics, NonFinite>> {
         let t0 = Instant::now();
@@ -350,6 +371,7 @@ impl<'a, M: Model> Worker<'a, M> {
         };
         let pass = self.run_pipeline(step, hooks)?;
         let (mut grads, losses, exec) = (pass.grads, pass.losses, pass.stats);
+        let counted = self.model_metrics();
         // ZeRO: this replica's shard of every bucket, summed over the replicas.
         let mut shards = None;
         let mut grad_reduce = None;
@@ -409,7 +431,7 @@ impl<'a, M: Model> Worker<'a, M> {
             0.0
         };
         let bad_loss = losses.iter().any(|l| !l.is_finite());
-        let mine = [
+        let mut mine = vec![
             loss_sum,
             if reports_loss {
                 losses.len() as f64
@@ -422,10 +444,11 @@ impl<'a, M: Model> Worker<'a, M> {
             grad_reduce.as_ref().map_or(-1.0, |g| g.pipeline_end_us),
             grad_reduce.as_ref().map_or(-1.0, |g| g.done_us),
         ];
+        mine.extend(&counted);
         let all = self
             .mesh
             .world
-            .all_gather(&Tensor::new(&mine, &Device::Cpu)?, 0)?
+            .all_gather(&Tensor::new(mine.as_slice(), &Device::Cpu)?, 0)?
             .to_vec1::<f64>()?;
         let rows: Vec<&[f64]> = all.chunks(mine.len()).collect();
         if let Some(g) = grad_reduce.as_mut() {
@@ -451,6 +474,12 @@ impl<'a, M: Model> Worker<'a, M> {
         }
         let count: f64 = rows.iter().map(|x| x[1]).sum();
         let loss = rows.iter().map(|x| x[0]).sum::<f64>() / count;
+        let names = self.cfg.model.step_metrics();
+        let model = names
+            .into_iter()
+            .enumerate()
+            .map(|(k, n)| (n, rows.iter().map(|x| x[7 + k]).sum::<f64>()))
+            .collect();
         let grad_norm = rows.iter().map(|x| x[2]).sum::<f64>().sqrt();
         let clip = self.cfg.grad_clip;
         if clip > 0.0 && grad_norm > clip {
@@ -496,6 +525,7 @@ impl<'a, M: Model> Worker<'a, M> {
             exec,
             val_loss: None,
             grad_reduce,
+            model,
         }))
     }
 }

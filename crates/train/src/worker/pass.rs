@@ -89,6 +89,9 @@ impl<S: ModelStage> Stage for Wrapped<'_, S> {
     fn set_loss_scale(&self, scale: f64) {
         self.stage.set_loss_scale(scale)
     }
+    fn recomputing(&self, on: bool) {
+        self.stage.recomputing(on)
+    }
 }
 
 impl<M: Model> Worker<'_, M> {

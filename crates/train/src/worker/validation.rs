@@ -93,6 +93,8 @@ impl<M: Model> Worker<'_, M> {
         })();
         for (_, g) in &self.stages {
             g.end_step();
+            // What the model counted here is not the next training step's.
+            drop(switchyard_models::ModelStage::take_metrics(g));
         }
         let (sum, count) = scored?;
         let all = self
