@@ -93,6 +93,10 @@ pub struct TrainArgs {
     /// α of the load-balancing loss α·E·Σ f·P (default 0.01)
     #[arg(long, value_name = "ALPHA")]
     pub aux_loss_coef: Option<f64>,
+    /// Each expert's hidden width (default 4·d, the dense MLP's; 2·d with top 2 costs a
+    /// token what the dense MLP does)
+    #[arg(long, value_name = "H")]
+    pub expert_hidden: Option<usize>,
     /// Share the token embedding with the LM head
     #[arg(long)]
     pub tied: bool,
@@ -286,7 +290,8 @@ pub fn resolve(
         seq_len => seq_len, d_model => model.d_model, layers => model.n_layer,
         heads => model.n_head, experts => model.moe.experts, top_k => model.moe.top_k,
         moe_every => model.moe.every, capacity_factor => model.moe.capacity_factor,
-        aux_loss_coef => model.moe.aux_loss_coef, lr => lr, min_lr => min_lr, warmup => warmup,
+        aux_loss_coef => model.moe.aux_loss_coef, expert_hidden => model.moe.ffn_hidden,
+        lr => lr, min_lr => min_lr, warmup => warmup,
         weight_decay => weight_decay, decay => decay, beta1 => beta1, beta2 => beta2,
         eps => eps, grad_clip => grad_clip, seed => seed,
         threads_per_worker => threads_per_worker, comm_timeout => comm_timeout_secs,
@@ -450,9 +455,18 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
     opts.stop = signals.as_ref().map(|s| std::sync::Arc::clone(&s.stop));
     if rank0 {
         eprintln!(
-            "switchyard: GPT {} layers × d {}, vocabulary {} ({:.2}M parameters) on {} ({} tokens{}); {} workers: dp {} × pp {} × tp {}, {} with {} microbatches{}{}",
+            "switchyard: GPT {} layers × d {}{}, vocabulary {} ({:.2}M parameters) on {} ({} tokens{}); {} workers: dp {} × pp {} × tp {}{}, {} with {} microbatches{}{}",
             cfg.model.n_layer,
             cfg.model.d_model,
+            match cfg.model.moe.is_dense() {
+                true => String::new(),
+                false => format!(
+                    ", {} blocks of {} experts (top {})",
+                    cfg.model.moe.moe_layers(cfg.model.n_layer),
+                    cfg.model.moe.experts,
+                    cfg.model.moe.top_k
+                ),
+            },
             cfg.model.vocab_size,
             cfg.model.param_count() as f64 / 1e6,
             corpus.name,
@@ -465,6 +479,10 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
             cfg.dp,
             cfg.pp,
             cfg.tp,
+            match cfg.ep {
+                1 => String::new(),
+                ep => format!(" (experts over ep {ep})"),
+            },
             cfg.schedule,
             cfg.microbatches,
             match cfg.zero {

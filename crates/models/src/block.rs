@@ -127,7 +127,7 @@ impl Block {
                 vb,
                 tp.clone(),
                 d,
-                4 * d,
+                cfg.moe.hidden(d),
                 init,
                 cfg.moe.options(),
                 moe.clone(),

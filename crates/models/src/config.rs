@@ -52,7 +52,7 @@ impl PartialEq for GptConfig {
                 c.n_head,
                 c.d_model,
                 c.tied_embeddings,
-                (c.moe.experts, c.moe.top_k, c.moe.every),
+                (c.moe.experts, c.moe.top_k, c.moe.every, c.moe.ffn_hidden),
             )
         };
         key(self) == key(other)
@@ -177,16 +177,24 @@ impl GptConfig {
         self.checked_block_params().unwrap_or(usize::MAX)
     }
 
-    /// What a mixture of experts adds to a block: `E − 1` more MLPs (`8d² + 5d` each)
-    /// and the router (`E · d`).
-    fn checked_moe_extra(&self) -> Option<usize> {
-        let d = self.d_model;
+    /// A block with a mixture of experts: the dense block without its MLP
+    /// (`8d² + 5d`), `E` experts of hidden width `h` (`2hd + h + d` each) and the router
+    /// (`E · d`).
+    fn checked_moe_block_params(&self) -> Option<usize> {
+        let (d, e) = (self.d_model, self.moe.experts);
+        let h = self.moe.hidden(d);
         let mlp = d
             .checked_mul(d)?
             .checked_mul(8)?
             .checked_add(d.checked_mul(5)?)?;
-        let e = self.moe.experts;
-        mlp.checked_mul(e.saturating_sub(1))?
+        let expert = h
+            .checked_mul(d)?
+            .checked_mul(2)?
+            .checked_add(h)?
+            .checked_add(d)?;
+        self.checked_block_params()?
+            .checked_sub(mlp)?
+            .checked_add(expert.checked_mul(e)?)?
             .checked_add(e.checked_mul(d)?)
     }
 
@@ -212,14 +220,10 @@ impl GptConfig {
             false => self.vocab_size.checked_mul(2)?,
         };
         let emb = tables.checked_add(self.block_size)?.checked_mul(d)?;
-        let blocks = self
-            .n_layer
+        let moe = self.moe.moe_layers(self.n_layer);
+        let blocks = (self.n_layer - moe)
             .checked_mul(self.checked_block_params()?)?
-            .checked_add(
-                self.moe
-                    .moe_layers(self.n_layer)
-                    .checked_mul(self.checked_moe_extra()?)?,
-            )?;
+            .checked_add(moe.checked_mul(self.checked_moe_block_params()?)?)?;
         emb.checked_add(blocks)?.checked_add(d.checked_mul(2)?)
     }
 
@@ -243,20 +247,20 @@ impl GptConfig {
                 (p("ln_2.weight"), vec![d]),
                 (p("ln_2.bias"), vec![d]),
             ]);
-            let mlp = |m: &str| {
+            let mlp = |m: &str, h: usize| {
                 [
-                    (p(&format!("{m}.c_fc.weight")), vec![4 * d, d]),
-                    (p(&format!("{m}.c_fc.bias")), vec![4 * d]),
-                    (p(&format!("{m}.c_proj.weight")), vec![d, 4 * d]),
+                    (p(&format!("{m}.c_fc.weight")), vec![h, d]),
+                    (p(&format!("{m}.c_fc.bias")), vec![h]),
+                    (p(&format!("{m}.c_proj.weight")), vec![d, h]),
                     (p(&format!("{m}.c_proj.bias")), vec![d]),
                 ]
             };
             match self.moe.is_moe_layer(i) {
-                false => out.extend(mlp("mlp")),
+                false => out.extend(mlp("mlp", 4 * d)),
                 true => {
                     out.push((p("mlp.router.weight"), vec![self.moe.experts, d]));
                     for e in 0..self.moe.experts {
-                        out.extend(mlp(&format!("mlp.experts.{e}")));
+                        out.extend(mlp(&format!("mlp.experts.{e}"), self.moe.hidden(d)));
                     }
                 }
             }
@@ -301,11 +305,18 @@ impl GptConfig {
             .collect();
         let moe = match routers.first() {
             None => MoeConfig::default(),
-            Some(&(first, experts)) => MoeConfig {
-                experts,
-                every: first + 1,
-                ..MoeConfig::default()
-            },
+            Some(&(first, experts)) => {
+                let h = shapes
+                    .get(&format!("transformer.h.{first}.mlp.experts.0.c_fc.weight"))
+                    .and_then(|s| s.first().copied())
+                    .unwrap_or(0);
+                MoeConfig {
+                    experts,
+                    every: first + 1,
+                    ffn_hidden: if h == 4 * wte[1] { 0 } else { h },
+                    ..MoeConfig::default()
+                }
+            }
         };
         let found: Vec<usize> = routers.iter().map(|r| r.0).collect();
         let want: Vec<usize> = (0..n_layer).filter(|&i| moe.is_moe_layer(i)).collect();
@@ -331,6 +342,15 @@ impl GptConfig {
         Ok(cfg)
     }
 
+    /// The weights a token passes in a block with a mixture of experts beyond those
+    /// of a dense block: `k` experts of hidden `h` (`2·h·d` each) and the router
+    /// (`E·d`), less the dense MLP (`8·d²`). Negative for small experts.
+    pub fn moe_extra_weights(&self) -> f64 {
+        let d = self.d_model as f64;
+        let h = self.moe.hidden(self.d_model) as f64;
+        self.moe.top_k as f64 * 2.0 * h * d + self.moe.experts as f64 * d - 8.0 * d * d
+    }
+
     /// Training FLOPs per token at sequence length `t`: 6 per weight of every matrix
     /// product a token passes (forward 2, backward 4; of a mixture of experts the `k`
     /// experts it goes to and the router), plus attention's `q·kᵀ` and `a·v`
@@ -338,8 +358,7 @@ impl GptConfig {
     pub fn flops_per_token(&self, t: usize) -> f64 {
         let d = self.d_model as f64;
         // A mixture of experts: `k` expert MLPs a token and the router.
-        let moe = self.moe.moe_layers(self.n_layer) as f64
-            * ((self.moe.top_k as f64 - 1.0) * 8.0 * d * d + self.moe.experts as f64 * d);
+        let moe = self.moe.moe_layers(self.n_layer) as f64 * self.moe_extra_weights();
         let matmul_weights = self.n_layer as f64 * 12.0 * d * d + moe + self.vocab_size as f64 * d;
         6.0 * matmul_weights + 12.0 * self.n_layer as f64 * t as f64 * d
     }

@@ -448,6 +448,7 @@ impl Model for GptConfig {
             c.moe = crate::MoeConfig {
                 experts: c.moe.experts,
                 every: c.moe.every,
+                ffn_hidden: c.moe.ffn_hidden,
                 ..self.moe
             };
         }

@@ -70,8 +70,8 @@ pub use switchyard_shard::{OpsBackend, Precision};
 
 /// The per-token costs of the GPT's parts, for [`SplitSpec::Balanced`]: training FLOPs
 /// of each block, of the embeddings (a lookup, nearly free) and of the head and loss. A
-/// block with a mixture of experts runs `k` expert MLPs a token (`k · 8·d²` weights)
-/// and its router (`E · d`) instead of one MLP.
+/// block with a mixture of experts runs `k` expert MLPs a token and its router instead
+/// of one MLP ([`GptConfig::moe_extra_weights`]).
 pub fn gpt_layer_costs(cfg: &GptConfig, seq_len: usize) -> LayerCosts {
     let d = cfg.d_model as f64;
     let mut costs = LayerCosts::uniform(
@@ -80,10 +80,9 @@ pub fn gpt_layer_costs(cfg: &GptConfig, seq_len: usize) -> LayerCosts {
         6.0 * 12.0 * d * d + 12.0 * seq_len as f64 * d,
         6.0 * cfg.vocab_size as f64 * d + 10.0 * cfg.vocab_size as f64,
     );
-    let moe = &cfg.moe;
-    let extra = 6.0 * ((moe.top_k as f64 - 1.0) * 8.0 * d * d + moe.experts as f64 * d);
+    let extra = 6.0 * cfg.moe_extra_weights();
     for (i, c) in costs.blocks.iter_mut().enumerate() {
-        if moe.is_moe_layer(i) {
+        if cfg.moe.is_moe_layer(i) {
             *c += extra;
         }
     }

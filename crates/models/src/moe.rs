@@ -27,6 +27,9 @@ pub struct MoeConfig {
     pub capacity_factor: f64,
     /// `α` of the load-balancing loss `α · E · Σ_e f_e · P_e` (0: none).
     pub aux_loss_coef: f64,
+    /// The hidden width of each expert's MLP; 0: the dense MLP's, `4·d` (Megatron's
+    /// `--moe-ffn-hidden-size`). With top 2, `2·d` costs a token what the dense MLP does.
+    pub ffn_hidden: usize,
 }
 
 impl Default for MoeConfig {
@@ -39,6 +42,7 @@ impl Default for MoeConfig {
             every: 1,
             capacity_factor: 0.0,
             aux_loss_coef: 0.01,
+            ffn_hidden: 0,
         }
     }
 }
@@ -54,9 +58,20 @@ impl MoeConfig {
         !self.is_dense() && self.every > 0 && (i + 1).is_multiple_of(self.every)
     }
 
+    /// Each expert's hidden width for a model of width `d`.
+    pub fn hidden(&self, d: usize) -> usize {
+        match self.ffn_hidden {
+            0 => 4 * d,
+            h => h,
+        }
+    }
+
     /// How many of `n_layer` blocks have one.
     pub fn moe_layers(&self, n_layer: usize) -> usize {
-        (0..n_layer).filter(|&i| self.is_moe_layer(i)).count()
+        match self.is_dense() || self.every == 0 {
+            true => 0,
+            false => n_layer / self.every,
+        }
     }
 
     /// What the layer needs.

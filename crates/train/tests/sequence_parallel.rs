@@ -76,18 +76,7 @@ fn twenty_step_loss_curves_match_the_reference() {
         (2, 2, 2, "interleaved"),
         (1, 1, 4, "1f1b"),
     ] {
-        let cfg = sp(tiny(dp, pp, tp, s));
-        let report = train(&cfg, &Corpus::bundled(), &TrainOptions::default()).unwrap();
-        assert_eq!(report.steps.len(), 20);
-        for (step, (r, w)) in report.steps.iter().zip(&curves[dp - 1]).enumerate() {
-            let e = (r.loss - w).abs() / w.abs();
-            assert!(
-                e <= 1e-4,
-                "sequence parallel dp {dp} pp {pp} tp {tp} {s}: step {step} loss {} vs \
-                 reference {w} (rel {e:.2e})",
-                r.loss
-            );
-        }
+        assert_curve(&sp(tiny(dp, pp, tp, s)), &curves[dp - 1], 1e-4);
     }
 }
 

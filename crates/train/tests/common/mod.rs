@@ -133,6 +133,31 @@ pub fn reference_curve(cfg: &TrainConfig<GptConfig>) -> Vec<f64> {
     losses
 }
 
+/// Trains `cfg` and checks its loss at every step against `want` (a reference curve)
+/// within `tol`, relative.
+pub fn assert_curve(cfg: &TrainConfig<GptConfig>, want: &[f64], tol: f64) {
+    let report = switchyard_train::train(
+        cfg,
+        &Corpus::bundled(),
+        &switchyard_train::TrainOptions::default(),
+    )
+    .unwrap();
+    assert_eq!(report.steps.len(), want.len());
+    for (step, (r, w)) in report.steps.iter().zip(want).enumerate() {
+        let e = (r.loss - w).abs() / w.abs();
+        assert!(
+            e <= tol,
+            "dp {} pp {} tp {} ep {} {}: step {step} loss {} vs reference {w} (rel {e:.2e})",
+            cfg.dp,
+            cfg.pp,
+            cfg.tp,
+            cfg.ep,
+            cfg.schedule,
+            r.loss
+        );
+    }
+}
+
 /// One parallel step of `cfg`: the job's mean loss and every full gradient by name
 /// (after the tied and data-parallel sums, before clipping).
 pub fn parallel_step(cfg: &TrainConfig<GptConfig>, step: usize) -> (f64, HashMap<String, Tensor>) {
