@@ -55,7 +55,8 @@ impl Block {
     /// `x + attn(ln_1(x))`, then `+ mlp(ln_2(·))`.
     ///
     /// At bf16 on the fused backend, the LayerNorms' outputs (which the attention and
-    /// the MLP keep rounded to bf16 themselves) and the sub-layers' outputs (whose
+    /// the dense MLP keep rounded to bf16 themselves; not before a mixture of experts,
+    /// whose router keeps it) and the sub-layers' outputs (whose
     /// residual sums need no values backward) are freed in place once read: candle's
     /// graph keeps the tensors, not their f32 values, and what the block keeps for its
     /// backward is bf16 but for the two residual sums and the LayerNorms' statistics.
@@ -67,7 +68,10 @@ impl Block {
         self.free(&a)?;
         let h = self.ln_2.forward(&x)?;
         let m = self.mlp.forward(&h)?;
-        self.free_input(&h)?;
+        // A mixture of experts' router product reads `h` again in its backward.
+        if let Ffn::Dense(_) = self.mlp {
+            self.free_input(&h)?;
+        }
         let y = (&x + &m)?;
         self.free(&m)?;
         Ok(y)

@@ -379,3 +379,27 @@ fn the_step_reports_the_balancing_loss_and_where_the_tokens_went() {
         );
     }
 }
+
+#[test]
+fn bf16_trains_the_single_workers_curve_on_every_layout() {
+    use switchyard_models::Precision;
+    let bf16 = |dp, pp, tp, ep| {
+        let mut c = moe(dp, pp, tp, "1f1b");
+        (c.ep, c.steps, c.batch) = (ep, 8, 16);
+        c.model.precision = Precision::Bf16;
+        c
+    };
+    let want: Vec<f64> = train(
+        &bf16(1, 1, 1, 1),
+        &Corpus::bundled(),
+        &TrainOptions::default(),
+    )
+    .unwrap()
+    .steps
+    .iter()
+    .map(|s| s.loss)
+    .collect();
+    for (dp, pp, tp, ep) in [(1, 2, 2, 1), (2, 1, 1, 2), (2, 2, 1, 2)] {
+        assert_curve(&bf16(dp, pp, tp, ep), &want, 1e-3);
+    }
+}
