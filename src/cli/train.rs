@@ -80,7 +80,8 @@ pub struct TrainArgs {
     /// Experts of each mixture-of-experts MLP (0: a dense model; TOML `[model.moe] experts`)
     #[arg(long)]
     pub experts: Option<usize>,
-    /// Experts each token goes to: 1 (Switch Transformer) or 2 (GShard, the default)
+    /// Experts each token goes to: 1 (Switch Transformer), 2 (GShard, the default) or
+    /// more, up to --experts
     #[arg(long)]
     pub top_k: Option<usize>,
     /// Every N-th block's MLP is a mixture of experts (blocks N−1, 2N−1, …; default 1)

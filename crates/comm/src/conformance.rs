@@ -258,7 +258,8 @@ fn broadcast_checks(comm: &dyn Communicator) -> Result<(), String> {
     Ok(())
 }
 
-/// Parts of a different shape for every (source, destination) pair.
+/// Parts of a different shape for every (source, destination) pair; then rows of a
+/// mixture of experts' exchange: some parts empty (`[0, 3]`), u32 counts beside them.
 pub fn all_to_all(comm: &dyn Communicator) -> Check {
     conform("all_to_all", all_to_all_checks(comm))
 }
@@ -281,6 +282,21 @@ fn all_to_all_checks(comm: &dyn Communicator) -> Result<(), String> {
             g,
             &shaped(s, &[s + 1, r + 1], DType::F32, r)?,
         )?;
+    }
+    // Rank r sends (r + d) % 3 rows of 3 to rank d: none to some.
+    let rows = |s: usize, d: usize| (s + d) % 3;
+    for dtype in [DType::F32, DType::U32] {
+        let parts = (0..n)
+            .map(|d| shaped(r, &[rows(r, d), 3], dtype, d))
+            .collect::<Result<Vec<_>, _>>()?;
+        let got = ctx("all_to_all", comm.all_to_all(parts))?;
+        for (s, g) in got.iter().enumerate() {
+            expect_eq(
+                &format!("all_to_all rows from {s} ({dtype:?}, some empty)"),
+                g,
+                &shaped(s, &[rows(s, r), 3], dtype, r)?,
+            )?;
+        }
     }
     Ok(())
 }

@@ -52,7 +52,12 @@ impl PartialEq for GptConfig {
                 c.n_head,
                 c.d_model,
                 c.tied_embeddings,
-                (c.moe.experts, c.moe.top_k, c.moe.every, c.moe.ffn_hidden),
+                (
+                    c.moe.experts,
+                    c.moe.top_k,
+                    c.moe.every,
+                    c.moe.hidden(c.d_model),
+                ),
             )
         };
         key(self) == key(other)
@@ -314,6 +319,9 @@ impl GptConfig {
                     experts,
                     every: first + 1,
                     ffn_hidden: if h == 4 * wte[1] { 0 } else { h },
+                    // Not in the shapes: the caller's routing replaces it
+                    // (`Model::import`).
+                    top_k: MoeConfig::default().top_k.min(experts),
                     ..MoeConfig::default()
                 }
             }
@@ -459,6 +467,11 @@ mod tests {
         odd.remove("transformer.h.3.mlp.router.weight");
         let e = GptConfig::infer(&odd, c.n_head).unwrap_err().to_string();
         assert!(e.contains("blocks [1]"), "{e}");
+        // A width given as the default's value, and a single expert (top 1), read back.
+        c.moe.ffn_hidden = 4 * c.d_model;
+        (c.moe.experts, c.moe.top_k) = (1, 1);
+        let shapes = c.param_shapes().into_iter().collect();
+        assert_eq!(GptConfig::infer(&shapes, c.n_head).unwrap(), c);
     }
 
     #[test]

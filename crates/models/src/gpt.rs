@@ -349,6 +349,13 @@ impl Model for GptConfig {
                 self.n_head, self.n_head
             )));
         }
+        let hidden = self.moe.hidden(self.d_model);
+        if !self.moe.is_dense() && !hidden.is_multiple_of(tp) {
+            return Err(ModelError::Layout(format!(
+                "--tp {tp} does not divide the experts' hidden width {hidden}: each rank holds \
+                 1/tp of every expert; use an --expert-hidden that --tp divides"
+            )));
+        }
         if seq_len == 0 || seq_len > self.block_size {
             return Err(ModelError::Layout(format!(
                 "--seq-len {seq_len} must be between 1 and the model's block size {}",
@@ -366,6 +373,18 @@ impl Model for GptConfig {
 
     fn experts(&self) -> usize {
         self.moe.experts
+    }
+
+    /// `aux 0.0210 dropped 0.0%`: the balancing loss's part of the objective and the
+    /// share of the choices over capacity.
+    fn summarize_metrics(&self, sums: &std::collections::BTreeMap<String, f64>) -> Option<String> {
+        let aux = sums.get("moe/aux_loss")?;
+        let dropped = sums.get("moe/dropped")?;
+        let choices = sums.get("moe/choices")?.max(1.0);
+        Some(format!(
+            "aux {aux:.4} dropped {:.1}%",
+            100.0 * dropped / choices
+        ))
     }
 
     /// With mixtures of experts: the balancing loss's part of the objective, the

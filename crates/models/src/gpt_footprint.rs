@@ -179,8 +179,9 @@ pub(crate) fn footprint(
     // gathered input, the expert's output, the gated output and their concatenation);
     // the scatter-add's zeros and result and the balancing loss's copy are `2·d` more
     // than the dense MLP's output, and the router `12` values per expert (its logits,
-    // probabilities and the masks and gates derived from them). Within 5 % of the
-    // measurement in `tests/estimate.rs`.
+    // probabilities and the masks and gates derived from them). Within 4 % of the
+    // measurement in `tests/estimate.rs`. Expert parallelism is not seen here: every
+    // expert's packed weights are counted, where a replica packs only its own.
     let (k, hid) = (cfg.moe.top_k as f64, cfg.moe.hidden(cfg.d_model) as f64);
     let moe_block =
         k * (2.0 * hid / a * kept + 4.0 * d) + 2.0 * d + 12.0 * experts as f64 - 8.0 * d / a * kept;

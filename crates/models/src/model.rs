@@ -84,6 +84,12 @@ pub trait Model:
         Vec::new()
     }
 
+    /// A few words on a step's [`Model::step_metrics`] sums for the step line, if any.
+    fn summarize_metrics(&self, sums: &std::collections::BTreeMap<String, f64>) -> Option<String> {
+        let _ = sums;
+        None
+    }
+
     /// Elements per token of the activation a stage passes to the next, and of each
     /// tensor-parallel all-reduce (the hidden width), for the time model
     /// (`switchyard_train::estimate::time`). Default: unknown (messages then count their

@@ -11,8 +11,9 @@ use crate::ModelError;
 ///
 /// Block `i` has one when `(i + 1) % every == 0` (with `every = 2`: blocks 1, 3, …, as
 /// GShard and Switch Transformer put them on every other layer, the first block dense).
-/// Its experts are MLPs of the dense one's shape; a token goes to `top_k` of them
-/// (1: Switch Transformer, 2: GShard's renormalised gates).
+/// Its experts are MLPs of hidden width `ffn_hidden` (the dense MLP's `4·d` unless set);
+/// a token goes to `top_k` of them (1: Switch Transformer; 2 and more: GShard's
+/// renormalised gates).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct MoeConfig {
@@ -86,10 +87,28 @@ impl MoeConfig {
 
     /// Refuses settings that cannot route.
     pub fn validate(&self, n_layer: usize) -> Result<(), ModelError> {
+        let bad = |m: String| Err(ModelError::Config(m));
         if self.is_dense() {
+            // A routing setting without experts would be silently ignored.
+            let d = MoeConfig::default();
+            let set = [
+                (self.top_k != d.top_k, "--top-k"),
+                (self.every != d.every, "--moe-every"),
+                (
+                    self.capacity_factor != d.capacity_factor,
+                    "--capacity-factor",
+                ),
+                (self.aux_loss_coef != d.aux_loss_coef, "--aux-loss-coef"),
+                (self.ffn_hidden != d.ffn_hidden, "--expert-hidden"),
+            ];
+            if let Some((_, flag)) = set.iter().find(|s| s.0) {
+                return bad(format!(
+                    "{flag} sets up mixtures of experts, but the model has none: add \
+                     --experts E (or leave {flag} out)"
+                ));
+            }
             return Ok(());
         }
-        let bad = |m: String| Err(ModelError::Config(m));
         if self.top_k == 0 || self.top_k > self.experts {
             return bad(format!(
                 "--top-k {} must be between 1 and the {} experts",
@@ -155,5 +174,9 @@ mod tests {
         assert!(m(|c| c.aux_loss_coef = f64::NAN)
             .unwrap()
             .contains("--aux-loss-coef"));
+        // Routing without experts.
+        assert!(m(|c| (c.experts, c.top_k) = (0, 1))
+            .unwrap()
+            .contains("--top-k sets up mixtures of experts"));
     }
 }

@@ -183,9 +183,10 @@ impl ReferenceGpt {
                 })
                 .collect();
             let mut load = vec![0; e_n];
-            for j in 0..k {
-                for (pos, top) in tops.iter().enumerate() {
-                    let (e, at) = (top[j], (row * t + pos) * e_n + top[j]);
+            for (pos, top) in tops.iter().enumerate() {
+                // In position order, a token's first choice before its second.
+                for &e in top {
+                    let at = (row * t + pos) * e_n + e;
                     chosen[at] = 1.0;
                     f[row * e_n + e] += 1.0 / (t * k) as f32;
                     if load[e] < cap {

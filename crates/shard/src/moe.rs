@@ -13,9 +13,12 @@
 //! **Capacity.** With a capacity factor `C > 0` every expert takes at most
 //! `⌈C · k · T / E⌉` tokens of each sequence of `T` tokens; a token over capacity gets
 //! nothing from that expert (it passes through the block's residual). Within a sequence
-//! the first choices are placed before the second ones, each in position order. Routing
-//! is per sequence and ties break by expert index, so it does not depend on how a batch
-//! is cut into microbatches or replicas: every layout drops the same tokens.
+//! the choices are placed in position order (a token's first choice before its second),
+//! so whether a token's choice is kept depends on the tokens before it only: a language
+//! model stays causal. Routing is per sequence and ties break by expert index, so it
+//! does not depend on how a batch is cut into microbatches or replicas: every layout
+//! drops the same tokens. (The capacity depends on `T`: a model evaluated on shorter or
+//! longer sequences than it trained on routes with another capacity.)
 //!
 //! **Balancing loss** (Switch Transformer): per sequence `E · Σ_e f_e · P_e`, with `f_e`
 //! the fraction of the sequence's `T·k` choices that picked `e` (before capacity) and
@@ -111,8 +114,8 @@ pub fn route(probs: &[f32], b: usize, t: usize, opts: &MoeOptions) -> Routing {
     }
     for row in 0..b {
         let mut load = vec![0usize; e_n];
-        for j in 0..k {
-            for tok in row * t..(row + 1) * t {
+        for tok in row * t..(row + 1) * t {
+            for j in 0..k {
                 let e = top[tok * k + j];
                 match load[e] < cap {
                     true => {
@@ -510,11 +513,27 @@ mod tests {
     }
 
     #[test]
-    fn capacity_is_per_sequence_and_first_choices_go_first() {
+    fn choices_are_placed_in_position_order_so_routing_stays_causal() {
+        // Two tokens, 2 experts, top 2, capacity ⌈0.5·2·2/2⌉ = 1: token 0 takes both
+        // experts, token 1 gets neither (placing first choices first would give token
+        // 1 its first choice at token 0's expense: token 0 would see the future).
+        let p = [0.9, 0.1, 0.2, 0.8];
+        let r = route(&p, 1, 2, &opts(2, 2, 0.5));
+        assert_eq!(r.tokens, vec![vec![0], vec![0]]);
+        assert_eq!(r.dropped, 2);
+        // Token 0's routing is the same whatever token 1 prefers.
+        for q in [[0.9, 0.1], [0.1, 0.9], [0.5, 0.5]] {
+            let p = [0.9, 0.1, q[0], q[1]];
+            let r = route(&p, 1, 2, &opts(2, 2, 0.5));
+            assert_eq!((&r.kept[..2], r.tokens[0][0]), (&[1.0, 1.0][..], 0));
+        }
+    }
+
+    #[test]
+    fn capacity_is_per_sequence() {
         // One sequence of 4 tokens, 2 experts, top 2, C 0.5: capacity ⌈0.5·2·4/2⌉ = 2.
-        // Every token prefers expert 0: expert 0 takes the first choices of tokens 0
-        // and 1, expert 1 the second choices of tokens 0 and 1 (position order); the
-        // choices of tokens 2 and 3 are dropped.
+        // Every token prefers expert 0: tokens 0 and 1 fill both experts; the choices
+        // of tokens 2 and 3 are dropped.
         let p = [0.9, 0.1, 0.8, 0.2, 0.7, 0.3, 0.6, 0.4];
         let r = route(&p, 1, 4, &opts(2, 2, 0.5));
         assert_eq!(r.tokens, vec![vec![0, 1], vec![0, 1]]);

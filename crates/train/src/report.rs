@@ -52,10 +52,14 @@ pub struct StepRecord {
     /// tokens.
     #[serde(skip_serializing_if = "BTreeMap::is_empty")]
     pub model: BTreeMap<String, f64>,
+    /// What the model says of `model` on the step line (`Model::summarize_metrics`).
+    #[serde(skip)]
+    pub summary: Option<String>,
 }
 
 impl StepRecord {
-    pub(crate) fn of<M>(cfg: &TrainConfig<M>, m: &StepMetrics) -> StepRecord {
+    pub(crate) fn of<M: Model>(cfg: &TrainConfig<M>, m: &StepMetrics) -> StepRecord {
+        let model: BTreeMap<String, f64> = m.model.iter().cloned().collect();
         StepRecord {
             step: m.step,
             loss: m.loss,
@@ -72,7 +76,8 @@ impl StepRecord {
                 .grad_reduce
                 .as_ref()
                 .map(|g| 1e3 * g.imbalance.as_secs_f64()),
-            model: m.model.iter().cloned().collect(),
+            summary: cfg.model.summarize_metrics(&model),
+            model,
         }
     }
 }
@@ -563,18 +568,12 @@ impl Sink {
             Some(v) => format!(" | val {v:.4}"),
             None => String::new(),
         };
-        let moe = match (r.model.get("moe/aux_loss"), r.model.get("moe/dropped")) {
-            (Some(aux), Some(dropped)) => {
-                let choices = r.model.get("moe/choices").copied().unwrap_or(0.0);
-                format!(
-                    " | aux {aux:.4} dropped {:.1}%",
-                    100.0 * dropped / choices.max(1.0)
-                )
-            }
-            _ => String::new(),
+        let model = match &r.summary {
+            Some(s) => format!(" | {s}"),
+            None => String::new(),
         };
         let line = format!(
-            "step {done:>5}/{} loss {:.4}{val}{moe} | {:>6.0} tok/s | lr {:.2e} | eta {:.0}s",
+            "step {done:>5}/{} loss {:.4}{val}{model} | {:>6.0} tok/s | lr {:.2e} | eta {:.0}s",
             self.steps, r.loss, r.tokens_per_s, r.lr, eta
         );
         if self.tty {

@@ -152,6 +152,22 @@ fn what_cannot_route_is_refused_before_any_work() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("--sequence-parallel"), "{e}");
+    // An expert width the tensor-parallel group cannot split, and routing without experts.
+    let mut c = moe(1, 1, 2, "1f1b");
+    c.model.moe.ffn_hidden = 25;
+    let e = train(&c, &Corpus::bundled(), &TrainOptions::default())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("--expert-hidden"), "{e}");
+    let mut c = tiny(1, 1, 1, "1f1b");
+    c.model.moe.capacity_factor = 1.0;
+    let e = train(&c, &Corpus::bundled(), &TrainOptions::default())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("--capacity-factor sets up mixtures of experts"),
+        "{e}"
+    );
     for (dp, ep, experts, want) in [
         (2, 4, 4, "--ep 4 must divide --dp 2"),
         (4, 4, 6, "divides --experts"),
@@ -160,7 +176,9 @@ fn what_cannot_route_is_refused_before_any_work() {
         let mut c = moe(dp, 1, 1, "1f1b");
         c.ep = ep;
         c.model.moe.experts = experts;
-        c.model.moe.top_k = 1;
+        if experts == 0 {
+            c.model.moe = MoeConfig::default();
+        }
         let e = train(&c, &Corpus::bundled(), &TrainOptions::default())
             .unwrap_err()
             .to_string();

@@ -73,6 +73,11 @@ impl Layout {
         c.schedule = ScheduleChoice::Named(self.schedule);
         c.recompute = self.recompute;
         c.zero = self.zero;
+        // Expert parallelism is not an axis of the plan: kept where it divides the
+        // layout's replicas, else off.
+        if !c.dp.is_multiple_of(c.ep.max(1)) {
+            c.ep = 1;
+        }
         c
     }
 

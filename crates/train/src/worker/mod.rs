@@ -444,6 +444,7 @@ impl<'a, M: Model> Worker<'a, M> {
             grad_reduce.as_ref().map_or(-1.0, |g| g.pipeline_end_us),
             grad_reduce.as_ref().map_or(-1.0, |g| g.done_us),
         ];
+        let base = mine.len();
         mine.extend(&counted);
         let all = self
             .mesh
@@ -478,7 +479,7 @@ impl<'a, M: Model> Worker<'a, M> {
         let model = names
             .into_iter()
             .enumerate()
-            .map(|(k, n)| (n, rows.iter().map(|x| x[7 + k]).sum::<f64>()))
+            .map(|(k, n)| (n, rows.iter().map(|x| x[base + k]).sum::<f64>()))
             .collect();
         let grad_norm = rows.iter().map(|x| x[2]).sum::<f64>().sqrt();
         let clip = self.cfg.grad_clip;
