@@ -10,8 +10,10 @@ use switchyard_schedule::{ScheduleChoice, ScheduleKind};
 use switchyard_train::data::{self, Corpus, DataSpec, Dataset, TokenWidth};
 use switchyard_train::optim::Decay;
 mod file;
+mod moe;
 
 use file::{load_file, model_of, FileOnly};
+use moe::MoeArgs;
 use switchyard_train::{
     train, train_rank, DeviceSpec, Resume, TrainConfig, TrainError, TrainOptions,
 };
@@ -77,27 +79,8 @@ pub struct TrainArgs {
     pub layers: Option<usize>,
     #[arg(long)]
     pub heads: Option<usize>,
-    /// Experts of each mixture-of-experts MLP (0: a dense model; TOML `[model.moe] experts`)
-    #[arg(long)]
-    pub experts: Option<usize>,
-    /// Experts each token goes to: 1 (Switch Transformer), 2 (GShard, the default) or
-    /// more, up to --experts
-    #[arg(long)]
-    pub top_k: Option<usize>,
-    /// Every N-th block's MLP is a mixture of experts (blocks N−1, 2N−1, …; default 1)
-    #[arg(long, value_name = "N")]
-    pub moe_every: Option<usize>,
-    /// An expert takes at most ⌈C·k·T/E⌉ tokens of a sequence, the rest pass through the
-    /// residual; 0 (the default): no limit
-    #[arg(long, value_name = "C")]
-    pub capacity_factor: Option<f64>,
-    /// α of the load-balancing loss α·E·Σ f·P (default 0.01)
-    #[arg(long, value_name = "ALPHA")]
-    pub aux_loss_coef: Option<f64>,
-    /// Each expert's hidden width (default 4·d, the dense MLP's; 2·d with top 2 costs a
-    /// token what the dense MLP does)
-    #[arg(long, value_name = "H")]
-    pub expert_hidden: Option<usize>,
+    #[command(flatten)]
+    pub moe: MoeArgs,
     /// Share the token embedding with the LM head
     #[arg(long)]
     pub tied: bool,
@@ -289,16 +272,14 @@ pub fn resolve(
     set!(dp => dp, pp => pp, tp => tp, ep => ep, zero => zero, schedule => schedule, microbatches => microbatches,
         virtual_stages => virtual_stages, split => split, steps => steps, batch => batch,
         seq_len => seq_len, d_model => model.d_model, layers => model.n_layer,
-        heads => model.n_head, experts => model.moe.experts, top_k => model.moe.top_k,
-        moe_every => model.moe.every, capacity_factor => model.moe.capacity_factor,
-        aux_loss_coef => model.moe.aux_loss_coef, expert_hidden => model.moe.ffn_hidden,
-        lr => lr, min_lr => min_lr, warmup => warmup,
+        heads => model.n_head, lr => lr, min_lr => min_lr, warmup => warmup,
         weight_decay => weight_decay, decay => decay, beta1 => beta1, beta2 => beta2,
         eps => eps, grad_clip => grad_clip, seed => seed,
         threads_per_worker => threads_per_worker, comm_timeout => comm_timeout_secs,
         vocab_size => model.vocab_size, val_fraction => val_fraction,
         eval_every => eval_every, eval_batches => eval_batches, device => device,
         recompute => recompute);
+    a.moe.apply(&mut c.model.moe);
     if let Some(b) = a.max_memory_per_worker {
         c.max_memory_per_worker = Some(b);
     }

@@ -6,9 +6,7 @@
 //! processes report the same way.
 
 use std::collections::BTreeMap;
-use std::io::{IsTerminal, Write};
 use std::path::Path;
-use std::time::Instant;
 
 use crate::error::{Context, Result};
 use candle_core::{Device, Tensor};
@@ -20,10 +18,12 @@ use crate::worker::{StepMetrics, Worker};
 
 mod pipeline;
 mod reduce;
+mod sink;
 use crate::TrainConfig;
 use pipeline::{measured_split_costs, median_bubbles, rank_row, timed, MEANS_WIDTH};
 pub use reduce::GradReduceReport;
 use reduce::{reduce_row, REDUCE_WIDTH};
+pub(crate) use sink::Sink;
 use switchyard_models::Model;
 
 /// One step, as reported by rank 0 for the whole job.
@@ -511,91 +511,6 @@ fn write_trace<M>(cfg: &TrainConfig<M>, path: &Path, events: Vec<[f64; 7]>) -> R
     let doc = serde_json::json!({ "traceEvents": out, "displayTimeUnit": "ms" });
     std::fs::write(path, serde_json::to_vec(&doc)?)
         .with_context(|| format!("cannot write the trace {}", path.display()))
-}
-
-/// Rank 0's outputs while training: the metrics file and the progress display.
-pub(crate) struct Sink {
-    metrics: Option<std::fs::File>,
-    progress: bool,
-    tty: bool,
-    steps: usize,
-    start: Instant,
-}
-
-impl Sink {
-    /// Opens the metrics file: a new run truncates it, a resumed run (`append`) adds its
-    /// steps after the lines already there, so that resuming with the same `--metrics`
-    /// never loses the earlier steps' records.
-    pub(crate) fn open(
-        metrics: Option<&Path>,
-        append: bool,
-        progress: bool,
-        steps: usize,
-    ) -> Result<Sink> {
-        let metrics = match metrics {
-            Some(p) => Some(
-                std::fs::OpenOptions::new()
-                    .create(true)
-                    .write(true)
-                    .append(append)
-                    .truncate(!append)
-                    .open(p)
-                    .with_context(|| format!("cannot create --metrics {}", p.display()))?,
-            ),
-            None => None,
-        };
-        Ok(Sink {
-            metrics,
-            progress,
-            tty: std::io::stderr().is_terminal(),
-            steps,
-            start: Instant::now(),
-        })
-    }
-
-    pub(crate) fn step(&mut self, r: &StepRecord) {
-        if let Some(f) = self.metrics.as_mut() {
-            let _ = writeln!(f, "{}", serde_json::to_string(r).unwrap_or_default());
-            let _ = f.flush();
-        }
-        if !self.progress {
-            return;
-        }
-        let done = r.step + 1;
-        let elapsed = self.start.elapsed().as_secs_f64();
-        let eta = elapsed / done as f64 * self.steps.saturating_sub(done) as f64;
-        let val = match r.val_loss {
-            Some(v) => format!(" | val {v:.4}"),
-            None => String::new(),
-        };
-        let model = match &r.summary {
-            Some(s) => format!(" | {s}"),
-            None => String::new(),
-        };
-        let line = format!(
-            "step {done:>5}/{} loss {:.4}{val}{model} | {:>6.0} tok/s | lr {:.2e} | eta {:.0}s",
-            self.steps, r.loss, r.tokens_per_s, r.lr, eta
-        );
-        if self.tty {
-            let width = 24;
-            let filled = (width * done / self.steps.max(1)).min(width);
-            eprint!(
-                "\r[{}{}] {line}",
-                "#".repeat(filled),
-                ".".repeat(width - filled)
-            );
-            // A line with a validation loss stays on the screen.
-            if done >= self.steps || r.val_loss.is_some() {
-                eprintln!();
-            }
-        } else if done == 1
-            || done == self.steps
-            || done.is_multiple_of((self.steps / 10).max(1))
-            || r.val_loss.is_some()
-        {
-            eprintln!("{line}");
-        }
-    }
 }
 
 #[cfg(test)]
