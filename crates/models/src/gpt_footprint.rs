@@ -65,6 +65,8 @@ pub(crate) fn footprint(
         .clone()
         .filter(|&i| cfg.moe.is_moe_layer(i))
         .count();
+    // The block with the most parameters, and its experts' share.
+    let mut block_experts = 0;
     for i in plan.blocks.clone() {
         let mut this = 0;
         let attn = [d, d, 3 * d * d / tp, 3 * d / tp, d * d / tp, d, d, d];
@@ -81,10 +83,20 @@ pub(crate) fn footprint(
             true => {
                 add(experts * d);
                 (0..experts).for_each(|_| expert.into_iter().for_each(&mut add));
+                let n: usize = expert.iter().sum();
+                f.experts += experts * n;
+                f.expert_tensors += experts * expert.len();
             }
         }
-        block = block.max(this);
+        if this > block {
+            block = this;
+            block_experts = match cfg.moe.is_moe_layer(i) {
+                true => experts * expert.iter().sum::<usize>(),
+                false => 0,
+            };
+        }
     }
+    f.segment_experts = block_experts;
     // The segments: a block each, the embeddings with the first, the head with the
     // last; a table tied to a head on the same stage is used by both ends.
     let tied_here = cfg.tied_embeddings && plan.embed && plan.head;
@@ -122,8 +134,10 @@ pub(crate) fn footprint(
     // used as it is.
     let seq_fused = sequence_parallel && tp > 1 && cfg.ops == OpsBackend::Fused;
     // A mixture's experts pack theirs as the dense MLP does (`2·h·d/tp` each).
+    f.expert_cache = moe_layers * experts * 2 * cfg.moe.hidden(d) * d / tp;
     f.step_cache = (layers - moe_layers) * if seq_fused { 7 } else { 12 } * d * d / tp
-        + moe_layers * (4 * d * d + experts * 2 * cfg.moe.hidden(d) * d) / tp;
+        + moe_layers * 4 * d * d / tp
+        + f.expert_cache;
     let split = tp > 1;
     let rows = rows as f64;
     let (d, l, h) = (d as f64, layers as f64, (cfg.n_head / tp) as f64);

@@ -267,6 +267,17 @@ pub struct Footprint {
     /// Parameter elements several of the stage's segments use (a token table tied to
     /// the head on one stage): ZeRO 2 and 3 keep them whole for the step.
     pub shared: usize,
+    /// Of `params` and `tensors`, the experts' (a mixture of experts; all of them, as
+    /// one rank holds them without expert parallelism): under `--ep N` a rank holds
+    /// `1/N` of them, and ZeRO keeps them whole (their gradients are summed over the
+    /// replicas that hold the same experts, not over every replica).
+    pub experts: usize,
+    pub expert_tensors: usize,
+    /// Of `step_cache`, what the experts pack (`1/N` of it under `--ep N`).
+    pub expert_cache: usize,
+    /// Of `largest_segment`, the experts' elements (resident under `--ep`, not in the
+    /// segment's bucket).
+    pub segment_experts: usize,
     /// What a microbatch's forward keeps for its backward; `None`: not described.
     pub activations: Option<Activations>,
 }

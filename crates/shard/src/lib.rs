@@ -85,6 +85,7 @@ mod attention;
 pub mod collectives;
 mod embedding;
 mod error;
+mod init;
 mod linear;
 mod loss;
 mod mlp;

@@ -219,9 +219,12 @@ pub struct MoeShared {
 /// Given the *block's* builder (prefix `transformer.h.{i}`), it creates
 /// `mlp.router.weight` `[E, d]` (replicated) and, for each expert `e`,
 /// `mlp.experts.{e}.c_fc.*` and `mlp.experts.{e}.c_proj.*`, the parameters of a
-/// [`ParallelMlp`] of width `hidden`.
+/// [`ParallelMlp`] of width `hidden`. Under expert parallelism
+/// ([`crate::ParamStore::set_expert_group`]) it creates only the experts this rank
+/// computes, marked with their peers on the other ranks ([`crate::Param::expert`]).
 pub struct ParallelMoe {
     router: Var,
+    /// The experts this rank holds: `local`, in order.
     experts: Vec<ParallelMlp>,
     opts: MoeOptions,
     loss_scale: LossScale,
@@ -259,17 +262,6 @@ impl ParallelMoe {
             ShardSpec::Replicated,
             init.weight,
         )?;
-        let experts = (0..opts.experts)
-            .map(|e| {
-                ParallelMlp::at(
-                    &vb.pp(format!("experts.{e}")),
-                    comm.clone(),
-                    d_model,
-                    hidden,
-                    init,
-                )
-            })
-            .collect::<Result<Vec<_>>>()?;
         let ep = vb.store().expert_group();
         let local = match &ep {
             None => 0..opts.experts,
@@ -286,6 +278,22 @@ impl ParallelMoe {
                 g.rank() * per..(g.rank() + 1) * per
             }
         };
+        // Under expert parallelism this rank holds only the experts it computes; the
+        // k-th of them matches the k-th of every other rank of the group.
+        let experts = local
+            .clone()
+            .map(|e| {
+                let mut b = vb.pp(format!("experts.{e}"));
+                if let Some(g) = &ep {
+                    let (k, per) = (e - local.start, local.len());
+                    let peers = (0..g.world_size())
+                        .map(|j| vb.path(&format!("experts.{}", j * per + k)))
+                        .collect();
+                    b = b.expert(peers);
+                }
+                ParallelMlp::at(&b, comm.clone(), d_model, hidden, init)
+            })
+            .collect::<Result<Vec<_>>>()?;
         Ok(ParallelMoe {
             router,
             experts,
@@ -354,7 +362,7 @@ impl ParallelMoe {
                 continue;
             }
             let ids = Tensor::from_slice(rows, rows.len(), dev)?;
-            ys.push(self.experts[self.local.start + e].forward(&recv.index_select(&ids, 0)?)?);
+            ys.push(self.experts[e].forward(&recv.index_select(&ids, 0)?)?);
             for (k, &row) in rows.iter().enumerate() {
                 pos[row as usize] = done + k as u32;
             }
@@ -462,9 +470,7 @@ impl ParallelMoe {
     /// Fuses the weights of every expert this rank computes for the step (see
     /// [`ParallelMlp::begin_step`]).
     pub fn begin_step(&self) -> Result<()> {
-        self.experts[self.local.clone()]
-            .iter()
-            .try_for_each(|e| e.begin_step())
+        self.experts.iter().try_for_each(|e| e.begin_step())
     }
 
     pub fn end_step(&self) {
@@ -472,9 +478,7 @@ impl ParallelMoe {
     }
 
     pub fn release_step(&self) -> Result<()> {
-        self.experts[self.local.clone()]
-            .iter()
-            .try_for_each(|e| e.release_step())
+        self.experts.iter().try_for_each(|e| e.release_step())
     }
 
     /// The router's weight.

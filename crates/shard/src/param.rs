@@ -19,47 +19,8 @@ use switchyard_comm::Communicator;
 use switchyard_ops::{OpsBackend, Precision};
 
 use crate::error::{invalid, ShardError};
-use crate::rng::SplitMix64;
+pub use crate::init::Init;
 use crate::spec::{gather_full_tensor, ShardSpec};
-
-/// How a parameter's full tensor is initialised when the store generates it.
-#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
-pub enum Init {
-    /// Independent normal samples with mean 0 and standard deviation `std`.
-    Normal { std: f64 },
-    /// All zeros.
-    Zeros,
-    /// All ones.
-    Ones,
-}
-
-impl Init {
-    /// The full (unsharded) tensor for parameter `name` under `seed`, generated in f64
-    /// and converted to `dtype`. The values depend only on `(seed, name, shape)`: this is
-    /// what a single device would hold.
-    pub fn full_tensor(
-        &self,
-        seed: u64,
-        name: &str,
-        shape: &[usize],
-        dtype: DType,
-    ) -> Result<Tensor> {
-        let dev = Device::Cpu;
-        match *self {
-            Init::Zeros => Tensor::zeros(shape, dtype, &dev),
-            Init::Ones => Tensor::ones(shape, dtype, &dev),
-            Init::Normal { std } => {
-                let n = shape.iter().product();
-                let v: Vec<f64> = SplitMix64::for_param(seed, name)
-                    .normals(n)
-                    .into_iter()
-                    .map(|z| z * std)
-                    .collect();
-                Tensor::from_vec(v, shape, &dev)?.to_dtype(dtype)
-            }
-        }
-    }
-}
 
 /// Where a [`ParamStore`] takes the values of the parameters it creates.
 #[derive(Debug, Clone)]
@@ -82,6 +43,12 @@ pub struct Param {
     pub spec: ShardSpec,
     /// The shape of the full (unsharded) tensor.
     pub full_shape: Vec<usize>,
+    /// Expert parallelism ([`Builder::expert`]): a parameter of one expert, held only by
+    /// the rank of the expert group that computes it. Entry `j` is the name of the
+    /// matching parameter on rank `j` of the group (this rank's own name at its rank):
+    /// what a gather over the group needs to name what it receives. `None` for every
+    /// parameter that all replicas hold.
+    pub expert: Option<Vec<String>>,
 }
 
 struct StoreInner {
@@ -189,6 +156,7 @@ impl ParamStore {
                 .selective_recompute
                 .load(std::sync::atomic::Ordering::Relaxed),
             sequence_parallel: self.sequence_parallel(),
+            expert_peers: None,
         }
     }
 
@@ -327,6 +295,7 @@ impl ParamStore {
         spec: ShardSpec,
         init: Init,
         shared: bool,
+        expert: Option<Vec<String>>,
     ) -> Result<Var> {
         let inner = &self.0;
         if let Some(p) = lock(&inner.params).iter().find(|p| p.name == name) {
@@ -397,6 +366,7 @@ impl ParamStore {
             var: var.clone(),
             spec,
             full_shape: full_shape.to_vec(),
+            expert,
         });
         Ok(var)
     }
@@ -433,13 +403,35 @@ pub struct Builder {
     selective_recompute: bool,
     /// [`Builder::sequence_parallel`].
     sequence_parallel: bool,
+    /// [`Builder::expert`]: the prefixes of the matching builders on the ranks of the
+    /// expert group.
+    expert_peers: Option<Vec<String>>,
 }
 
 impl Builder {
     /// A builder whose paths are prefixed by `s` (joined with a dot).
     pub fn pp(&self, s: impl AsRef<str>) -> Builder {
+        let s = s.as_ref();
         Builder {
-            prefix: self.path(s.as_ref()),
+            prefix: self.path(s),
+            expert_peers: self
+                .expert_peers
+                .as_ref()
+                .map(|peers| peers.iter().map(|p| format!("{p}.{s}")).collect()),
+            ..self.clone()
+        }
+    }
+
+    /// A builder (and the builders [`Builder::pp`] derives from it) for the parameters
+    /// of one expert under expert parallelism: only this rank of the expert group holds
+    /// them, and `peers[j]` is the prefix of the matching expert on rank `j` (this
+    /// builder's own prefix at this rank's index). Each parameter records the names of
+    /// its peers ([`Param::expert`]), so that a trainer can tell expert parameters from
+    /// the ones every replica holds, and name what a gather over the group brings,
+    /// without knowing the model's names.
+    pub fn expert(&self, peers: Vec<String>) -> Builder {
+        Builder {
+            expert_peers: Some(peers),
             ..self.clone()
         }
     }
@@ -547,8 +539,12 @@ impl Builder {
         spec: ShardSpec,
         init: Init,
     ) -> Result<Var> {
+        let expert = self
+            .expert_peers
+            .as_ref()
+            .map(|peers| peers.iter().map(|p| format!("{p}.{name}")).collect());
         self.store
-            .create(self.path(name), full_shape, spec, init, self.shared)
+            .create(self.path(name), full_shape, spec, init, self.shared, expert)
     }
 
     /// The store this builder adds to.

@@ -71,6 +71,10 @@ pub struct FileEntry {
     pub file: String,
     pub pp: usize,
     pub tp: usize,
+    /// `--ep`: the rank of the expert group whose experts the file holds besides (on
+    /// rank 0) everything else; 0 without expert parallelism.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub ep: usize,
     pub bytes: u64,
     /// FNV-1a 64 of the file's bytes, in hex.
     pub fnv64: String,
@@ -162,9 +166,17 @@ pub fn staging_dir(dir: &Path, step: usize) -> PathBuf {
     dir.join(format!("step-{step:08}.partial"))
 }
 
-/// The name of the file of rank (pp, tp).
-pub fn file_name(pp: usize, tp: usize) -> String {
-    format!("pp{pp}-tp{tp}.safetensors")
+/// The name of the file of rank (pp, tp) and, under `--ep`, expert-group rank `ep`
+/// (the experts of expert-group ranks above 0 go into files of their own).
+pub fn file_name(pp: usize, tp: usize, ep: usize) -> String {
+    match ep {
+        0 => format!("pp{pp}-tp{tp}.safetensors"),
+        _ => format!("pp{pp}-tp{tp}-ep{ep}.safetensors"),
+    }
+}
+
+fn is_zero(x: &usize) -> bool {
+    *x == 0
 }
 
 /// Writes `bytes` to `path` atomically: a temporary file, synced, then renamed.
@@ -197,6 +209,7 @@ pub fn write_rank_file(
     staging: &Path,
     pp: usize,
     tp: usize,
+    ep: usize,
     shards: &[RankShard],
 ) -> Result<FileEntry> {
     let mut map: Vec<(String, Tensor)> = Vec::new();
@@ -221,12 +234,13 @@ pub fn write_rank_file(
                 "cannot serialise the shards of pp {pp} tp {tp}: {e}"
             )
         })?;
-    let file = file_name(pp, tp);
+    let file = file_name(pp, tp, ep);
     write_atomic(&staging.join(&file), &bytes)?;
     Ok(FileEntry {
         file,
         pp,
         tp,
+        ep,
         bytes: bytes.len() as u64,
         fnv64: fnv64(&bytes),
         tensors,

@@ -483,25 +483,32 @@ fn save<M: Model>(worker: &Worker<M>, dir: &Path, done: usize, ctx: &RankContext
     }
     world.barrier()?;
     let c = worker.mesh.coord;
-    let entry_path = |pp: usize, tp: usize| staging.join(format!("pp{pp}-tp{tp}.entry.json"));
+    let entry_path =
+        |pp: usize, tp: usize, ep: usize| staging.join(format!("pp{pp}-tp{tp}-ep{ep}.entry.json"));
     // Every replica takes part: under ZeRO the moments are gathered from all of them.
+    // The first replica writes; under `--ep` the others of the first expert group
+    // write their experts.
     let shards = worker.checkpoint_shards()?;
-    if c.dp == 0 {
-        let entry = checkpoint::write_rank_file(&staging, c.pp, c.tp, &shards)?;
-        checkpoint::write_atomic(&entry_path(c.pp, c.tp), &serde_json::to_vec(&entry)?)?;
+    let writers = ctx.cfg.ep.max(1);
+    if c.dp < writers {
+        let entry = checkpoint::write_rank_file(&staging, c.pp, c.tp, c.dp, &shards)?;
+        let path = entry_path(c.pp, c.tp, c.dp);
+        checkpoint::write_atomic(&path, &serde_json::to_vec(&entry)?)?;
     }
     world.barrier()?;
     if world.rank() == 0 {
         let mut files = Vec::new();
         for pp in 0..ctx.cfg.pp {
             for tp in 0..ctx.cfg.tp {
-                let p = entry_path(pp, tp);
-                let read =
-                    std::fs::read(&p).with_context(|| format!("cannot read {}", p.display()))?;
-                let entry: FileEntry = serde_json::from_slice(&read)?;
-                std::fs::remove_file(&p)
-                    .with_context(|| format!("cannot remove {}", p.display()))?;
-                files.push(entry);
+                for ep in 0..writers {
+                    let p = entry_path(pp, tp, ep);
+                    let read = std::fs::read(&p)
+                        .with_context(|| format!("cannot read {}", p.display()))?;
+                    let entry: FileEntry = serde_json::from_slice(&read)?;
+                    std::fs::remove_file(&p)
+                        .with_context(|| format!("cannot remove {}", p.display()))?;
+                    files.push(entry);
+                }
             }
         }
         let manifest = Manifest {

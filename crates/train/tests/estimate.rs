@@ -398,5 +398,20 @@ fn mixtures_of_experts_are_predicted_within_ten_percent() {
         };
         worst = worst.max(worst_error(&c));
     }
+    // The experts spread over the replicas (each holds its own), without ZeRO and
+    // with ZeRO over the dense parameters.
+    for (layout, ep, zero) in [((2, 1, 1), 2, 0), ((4, 1, 1), 2, 1), ((2, 1, 1), 2, 3)] {
+        let mut c = cfg(layout, "1f1b", gpt(128, 4));
+        c.seq_len = 64;
+        c.model.block_size = 64;
+        (c.ep, c.zero) = (ep, zero);
+        c.model.moe = switchyard_models::MoeConfig {
+            experts: 8,
+            top_k: 2,
+            every: 1,
+            ..Default::default()
+        };
+        worst = worst.max(worst_error(&c));
+    }
     assert!(worst <= 0.10, "worst error {:.1} %", 100.0 * worst);
 }

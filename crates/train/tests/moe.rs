@@ -197,9 +197,10 @@ fn checkpoints_reshard_and_export_with_the_experts_names() {
         c.steps = 6;
         c
     };
-    let run = |cfg: &TrainConfig<GptConfig>, save_every, resume| {
+    let ep_dir = dir.join("ep");
+    let run = |dir: &std::path::Path, cfg: &TrainConfig<GptConfig>, save_every, resume| {
         let opts = TrainOptions {
-            checkpoint_dir: Some(dir.clone()),
+            checkpoint_dir: Some(dir.to_path_buf()),
             save_every,
             keep: 0,
             resume,
@@ -208,22 +209,55 @@ fn checkpoints_reshard_and_export_with_the_experts_names() {
         let r = train(cfg, &Corpus::bundled(), &opts).unwrap();
         r.steps.iter().map(|s| s.loss).collect::<Vec<f64>>()
     };
-    let full = run(&run_cfg(1, 2, 2, "1f1b"), 3, None);
-    for (dp, pp, tp, s) in [
-        (1, 1, 1, "1f1b"),
-        (2, 1, 2, "1f1b"),
-        (1, 4, 1, "interleaved"),
-    ] {
-        let resumed = run(&run_cfg(dp, pp, tp, s), 0, Some(Resume::Step(3)));
-        for (k, (r, f)) in resumed.iter().zip(&full[3..]).enumerate() {
-            let e = (r - f).abs() / f.abs();
-            assert!(
-                e <= 1e-5,
-                "dp {dp} pp {pp} tp {tp} {s}: step {} {r} vs {f}",
-                k + 3
-            );
-        }
+    let check =
+        |dir: &std::path::Path, full: &[f64], cases: &[(usize, usize, usize, usize, u8)]| {
+            for &(dp, pp, tp, ep, zero) in cases {
+                let mut c = run_cfg(dp, pp, tp, "1f1b");
+                (c.ep, c.zero, c.microbatches) = (ep, zero, 8 / dp);
+                let resumed = run(dir, &c, 0, Some(Resume::Step(3)));
+                for (k, (r, f)) in resumed.iter().zip(&full[3..]).enumerate() {
+                    let e = (r - f).abs() / f.abs();
+                    assert!(
+                        e <= 1e-5,
+                        "dp {dp} pp {pp} tp {tp} ep {ep} zero {zero}: step {} {r} vs {f}",
+                        k + 3
+                    );
+                }
+            }
+        };
+    let full = run(&dir, &run_cfg(1, 2, 2, "1f1b"), 3, None);
+    check(&dir, &full, &[(1, 1, 1, 1, 0), (2, 1, 2, 1, 0)]);
+    let resumed = run(
+        &dir,
+        &run_cfg(1, 4, 1, "interleaved"),
+        0,
+        Some(Resume::Step(3)),
+    );
+    for (r, f) in resumed.iter().zip(&full[3..]) {
+        assert!((r - f).abs() / f.abs() <= 1e-5, "interleaved: {r} vs {f}");
     }
+    // Saved with the experts spread over two replicas (each writes its own: a file of
+    // the second expert-group rank), resumed at ep 1, 2 and 4, with and without ZeRO.
+    let mut c = run_cfg(2, 1, 2, "1f1b");
+    c.ep = 2;
+    let full = run(&ep_dir, &c, 3, None);
+    let files: Vec<String> = std::fs::read_dir(ep_dir.join("step-00000003"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    for f in ["pp0-tp1.safetensors", "pp0-tp1-ep1.safetensors"] {
+        assert!(files.iter().any(|x| x == f), "{f} not among {files:?}");
+    }
+    check(
+        &ep_dir,
+        &full,
+        &[
+            (1, 1, 1, 1, 0),
+            (4, 1, 1, 4, 0),
+            (4, 1, 2, 2, 2),
+            (2, 2, 1, 2, 3),
+        ],
+    );
     // The exported state dict names every expert, and a run started from it begins
     // exactly where the reference does with these weights.
     let cfg = run_cfg(1, 2, 2, "1f1b");
@@ -328,6 +362,84 @@ fn the_all_to_alls_move_tokens_times_k_times_d_each_way() {
         for t in &traffic {
             assert_eq!(t.calls, steps * layers * m * 5, "calls, dp {dp} ep {ep}");
         }
+    }
+}
+
+/// `--ep`: every replica holds only its own experts; the dense parameters and the
+/// experts' gradients are summed over the groups that hold the same ones.
+#[test]
+fn experts_are_stored_only_where_they_are_computed() {
+    use std::sync::Arc;
+    use switchyard_comm::{local::Launcher, Communicator, Counting};
+    use switchyard_shard::ParamSource;
+    use switchyard_train::{TrainError, Worker};
+    // Per rank: (dense elements, expert elements, moment elements, dp all-reduce
+    // bytes, edp all-reduce bytes) over one step.
+    let measure = |cfg: &TrainConfig<GptConfig>| {
+        let corpus = Corpus::bundled();
+        Launcher::new(cfg.world_size())
+            .threads_per_worker(1)
+            .run(|world: Arc<dyn Communicator>| {
+                let (world, counts) = Counting::wrap_groups(world);
+                let mut w = Worker::new(world, cfg, &corpus, ParamSource::Init { seed: 1 })?;
+                let (mut dense, mut experts) = (0, 0);
+                for p in w.params() {
+                    match p.name.contains(".mlp.experts.") {
+                        true => experts += p.var.elem_count(),
+                        false => dense += p.var.elem_count(),
+                    }
+                    assert_eq!(
+                        p.expert.is_some(),
+                        cfg.ep > 1 && p.name.contains(".experts.")
+                    );
+                }
+                w.step(0)?.expect("finite");
+                let bytes = |g| counts.traffic(g, "all_reduce").bytes;
+                Ok::<_, TrainError>((
+                    dense,
+                    experts,
+                    w.opt.moment_elems(),
+                    bytes("dp"),
+                    bytes("dp/edp"),
+                ))
+            })
+            .unwrap_or_else(|e| panic!("{e:#}"))
+    };
+    for (dp, tp, ep) in [(2, 1, 2), (4, 1, 2), (4, 1, 4), (4, 2, 2)] {
+        let mut c = moe(dp, 1, tp, "1f1b");
+        c.overlap_grad_reduce = false;
+        let base = measure(&c)[0];
+        c.ep = ep;
+        for (rank, got) in measure(&c).into_iter().enumerate() {
+            let (dense, experts) = (base.0, base.1 / ep);
+            let edp = match dp / ep {
+                1 => 0,
+                _ => 4 * experts as u128,
+            };
+            let want = (dense, experts, dense + experts, 4 * dense as u128, edp);
+            assert_eq!(got, want, "dp {dp} tp {tp} ep {ep} rank {rank}");
+        }
+    }
+}
+
+/// The real step (bucketed, overlapped, ZeRO's sharded update, the global norm with
+/// clipping always on) trains the reference's curve with the experts stored apart.
+#[test]
+fn experts_stored_apart_train_the_reference_curve_with_every_optimizer() {
+    let mut base = moe(4, 1, 1, "1f1b");
+    base.grad_clip = 0.05;
+    base.steps = 12;
+    let want = reference_curve(&base);
+    for (tp, ep, zero, overlap) in [
+        (1, 2, 0, true),
+        (1, 2, 0, false),
+        (1, 4, 1, false),
+        (1, 2, 2, true),
+        (2, 2, 3, true),
+    ] {
+        let mut c = base.clone();
+        (c.tp, c.ep, c.zero, c.overlap_grad_reduce) = (tp, ep, zero, overlap);
+        assert_curve(&c, &want, 1e-4);
     }
 }
 

@@ -213,8 +213,8 @@ fn zero_with_padded_buckets_ties_and_decay_on_every_parameter() {
     c.bucket_mib = 0.01;
     c.model.tied_embeddings = true;
     c.decay = switchyard_train::optim::Decay::All;
-    let layout = Layout::new(&[4096, 128, 48], c.bucket_mib, 3, 0);
-    assert!(layout.buckets.iter().any(|b| b.padded(3) != b.len));
+    let layout = Layout::new(&[4096, 128, 48], &[], c.bucket_mib, 3, 0);
+    assert!(layout.buckets.iter().any(|b| b.padded() != b.len));
     assert_zero_parity(&c);
 }
 
@@ -309,10 +309,10 @@ fn zero_moves_the_bytes_of_the_all_reduce() {
         let got = dp_traffic(&with_zero(&c, zero), steps);
         for ((rank, want, sizes, _), (_, [ar, rs, ag, ..], _, _)) in base.iter().zip(&got) {
             let what = format!("dp {dp} pp {pp} tp {tp} zero {zero} rank {rank}");
-            let layout = Layout::new(sizes, bucket_mib, dp, 0);
+            let layout = Layout::new(sizes, &[], bucket_mib, dp, 0);
             let n = layout.buckets.len();
             let len: usize = layout.buckets.iter().map(|b| b.len).sum();
-            let padded: usize = layout.buckets.iter().map(|b| b.padded(dp)).sum();
+            let padded: usize = layout.buckets.iter().map(|b| b.padded()).sum();
             // Without ZeRO: one all-reduce of every bucket per step.
             assert_eq!(
                 want[0],
@@ -383,8 +383,8 @@ fn zero_two_and_three_scatter_every_microbatch_and_three_gathers_every_use() {
                      overlap {overlap} rank {rank}"
                 );
                 let units = units.as_ref().expect("units under ZeRO 2 and 3");
-                let layout = Layout::of_groups(units.groups.clone(), sizes, dp, 0);
-                let bytes = |k: usize| 4 * layout.buckets[k].padded(dp);
+                let layout = Layout::of_groups(units.groups.clone(), sizes, &[], dp, 0);
+                let bytes = |k: usize| 4 * layout.buckets[k].padded();
                 let segments: Vec<usize> = units.bucket_of.values().copied().collect();
                 assert_eq!(
                     segments.len() + units.resident.len(),

@@ -190,6 +190,8 @@ pub fn estimate_memory<M: Model>(cfg: &TrainConfig<M>) -> Result<Vec<RankEstimat
         acts.get(s + 1)
             .map_or(0.0, |next| 3.0 * next.input_per_token)
     };
+    // `--ep N`: a rank holds `1/N` of the experts.
+    let ep = cfg.ep.max(1);
     let per_stage = |s: usize| {
         let (f, a): (&Footprint, &Activations) = (&feet[s], acts[s]);
         let (saved, backward) = match cfg.recompute {
@@ -232,7 +234,7 @@ pub fn estimate_memory<M: Model>(cfg: &TrainConfig<M>) -> Result<Vec<RankEstimat
             }
         };
         StageBytes {
-            grads: ELEM * f.params,
+            grads: ELEM * (f.params - f.experts + f.experts / ep),
             deferred: bytes(tokens * a.deferred_per_token),
             saved,
             backward: backward
@@ -255,14 +257,24 @@ pub fn estimate_memory<M: Model>(cfg: &TrainConfig<M>) -> Result<Vec<RankEstimat
         // ZeRO 2 and 3: the largest segment's parameters, and those that stay whole
         // (several segments', or summed with copies on other ranks).
         let (mut segment, mut resident, mut blocks) = (0, 0, 0);
+        // `--ep`: the experts this rank holds, which ZeRO keeps whole and resident.
+        let mut whole = 0;
         for &s in &mine {
             let f = &feet[s];
-            params += f.params;
-            tensors += f.tensors;
+            params += f.params - f.experts + f.experts / ep;
+            tensors += f.tensors - f.expert_tensors + f.expert_tensors / ep;
             largest = largest.max(f.largest);
-            cache += f.step_cache;
-            segment = segment.max(f.largest_segment);
-            resident += f.shared;
+            cache += f.step_cache - f.expert_cache + f.expert_cache / ep;
+            let held = match ep {
+                1 => 0,
+                _ => f.experts / ep,
+            };
+            segment = segment.max(match ep {
+                1 => f.largest_segment,
+                _ => f.largest_segment - f.segment_experts,
+            });
+            whole += held;
+            resident += f.shared + held;
             blocks += acts[s].segments;
             for (name, n) in &f.tied {
                 match tied.insert(name, *n).is_some() {
@@ -276,11 +288,12 @@ pub fn estimate_memory<M: Model>(cfg: &TrainConfig<M>) -> Result<Vec<RankEstimat
         }
         // ZeRO keeps the moments of 1/dp of every bucket (one vector per bucket instead
         // of one per tensor).
+        let sharded = (params - whole).div_ceil(cfg.dp) + whole;
         let optimizer = match cfg.zero {
             0 => OPT_PER_PARAM * params + BYTES_PER_TENSOR * tensors,
-            _ => OPT_PER_PARAM * params.div_ceil(cfg.dp),
+            _ => OPT_PER_PARAM * sharded,
         };
-        let shards = ELEM * params.div_ceil(cfg.dp);
+        let shards = ELEM * sharded;
         let segmented = cfg.zero >= 2;
         let zero3 = cfg.zero == 3;
         let (on_rank, on_pool) = mine

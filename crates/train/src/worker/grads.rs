@@ -4,7 +4,7 @@
 use std::time::Instant;
 
 use candle_core::{Shape, Tensor};
-use switchyard_comm::ReduceOp;
+use switchyard_comm::{Communicator, ReduceOp};
 use switchyard_mem::Category;
 use switchyard_models::Model;
 
@@ -90,10 +90,14 @@ impl<M: Model> Worker<'_, M> {
             return Ok(None);
         }
         let _gradients = switchyard_mem::scope(Category::Gradients);
-        let rest: Vec<usize> = (0..grads.len()).filter(|&i| !done[i]).collect();
-        if !rest.is_empty() {
+        // Expert parameters are summed over the replicas that hold the same experts.
+        let rest: Vec<usize> = (0..grads.len())
+            .filter(|&i| !done[i] && !self.expert[i])
+            .collect();
+        if !rest.is_empty() || self.edp.is_some() {
             let t0 = Instant::now();
-            self.all_reduce_buckets(grads, &rest)?;
+            self.sync_experts(grads)?;
+            self.all_reduce_buckets(&*self.mesh.dp, grads, &rest)?;
             stats.spans.push(ReduceSpan {
                 bucket: None,
                 start_us: since(t0),
@@ -120,9 +124,34 @@ impl<M: Model> Worker<'_, M> {
         Ok(())
     }
 
-    /// Data-parallel all-reduce of the gradients of parameters `which`, a bucket of
+    /// `--ep`: sums the expert parameters' gradients (zeros where this rank computed
+    /// none) over the replicas that hold the same experts (`edp`; nothing to do when
+    /// one expert group spans every replica: each expert's gradient is then complete
+    /// on its owner, the combine all-to-all's backward brought every token's share).
+    pub(super) fn sync_experts(&self, grads: &mut [Option<Tensor>]) -> Result<()> {
+        let which: Vec<usize> = (0..grads.len()).filter(|&i| self.expert[i]).collect();
+        let _gradients = switchyard_mem::scope(Category::Gradients);
+        for &i in &which {
+            if grads[i].is_none() {
+                grads[i] = Some(self.params[i].var.zeros_like()?);
+            }
+        }
+        match &self.edp {
+            Some(edp) if !which.is_empty() => self
+                .all_reduce_buckets(&**edp, grads, &which)
+                .context("the experts' gradient all-reduce over the replicas that hold them"),
+            _ => Ok(()),
+        }
+    }
+
+    /// All-reduce over `group` of the gradients of parameters `which`, a bucket of
     /// about `bucket_mib` at a time.
-    fn all_reduce_buckets(&self, grads: &mut [Option<Tensor>], which: &[usize]) -> Result<()> {
+    fn all_reduce_buckets(
+        &self,
+        group: &dyn Communicator,
+        grads: &mut [Option<Tensor>],
+        which: &[usize],
+    ) -> Result<()> {
         let sizes: Vec<usize> = which
             .iter()
             .map(|&i| grads[i].as_ref().map_or(0, |g| g.elem_count()))
@@ -133,7 +162,7 @@ impl<M: Model> Worker<'_, M> {
                 .iter()
                 .map(|&i| grads[i].clone().expect("filled by sync_tied"))
                 .collect();
-            let summed = self.mesh.dp.all_reduce(&flatten(&parts)?, ReduceOp::Sum)?;
+            let summed = group.all_reduce(&flatten(&parts)?, ReduceOp::Sum)?;
             let shapes: Vec<&Shape> = parts.iter().map(|t| t.shape()).collect();
             for (&i, g) in idx.iter().zip(unflatten(&summed, &shapes)?) {
                 grads[i] = Some(g);

@@ -101,6 +101,12 @@ pub struct Worker<'a, M: Model> {
     /// Whether a parameter's gradient counts toward the global norm on this rank (each
     /// parameter counted once per replica).
     owned: Vec<bool>,
+    /// Whether a parameter belongs to one expert (`--ep`, [`Param::expert`]): held by
+    /// this rank of its expert group only.
+    expert: Vec<bool>,
+    /// `--ep` with more replicas than one expert group: the replicas that hold the same
+    /// experts as this one, over which the experts' gradients are summed.
+    edp: Option<Arc<dyn Communicator>>,
     /// Each tied parameter this rank holds whose copies live on other pipeline ranks
     /// too: its index and the group of the ranks that hold a copy.
     tied: Vec<(usize, Arc<dyn Communicator>)>,
@@ -139,11 +145,17 @@ impl<'a, M: Model> Worker<'a, M> {
         let store = ParamStore::for_group_on(&*mesh.tp, &device, DType::F32, source)?;
         store.set_selective_recompute(cfg.recompute == Recompute::Selective);
         store.set_sequence_parallel(cfg.sequence_parallel);
+        // Expert parallelism: groups of `ep` consecutive replicas spread the experts
+        // over their ranks (the "ep" group, for the all-to-alls); replicas `r` with the
+        // same `r % ep` hold the same experts (the "edp" group, which sums their
+        // gradients; none when every replica is in one expert group). Every rank takes
+        // part in both splits of its data-parallel group.
+        let mut edp = None;
         if cfg.ep > 1 {
-            // Consecutive replicas share their experts: every rank takes part in the
-            // split of its data-parallel group.
             let r = mesh.coord.dp;
             store.set_expert_group(Some(mesh.dp.split_named(r / cfg.ep, r, "ep")?));
+            let group = mesh.dp.split_named(r % cfg.ep, r, "edp")?;
+            edp = (group.world_size() > 1).then_some(group);
         }
         let mut stages = Vec::new();
         for s in pipe.stages_of_rank(mesh.coord.pp as u32) {
@@ -179,6 +191,7 @@ impl<'a, M: Model> Worker<'a, M> {
             })
             .collect::<Result<_>>()?;
         let params = store.params();
+        let expert: Vec<bool> = params.iter().map(|p| p.expert.is_some()).collect();
         let index: HashMap<TensorId, usize> = params
             .iter()
             .enumerate()
@@ -228,7 +241,7 @@ impl<'a, M: Model> Worker<'a, M> {
                 .map(|(s, st)| (*s, st as &dyn Stage))
                 .collect();
             let pinned: Vec<usize> = tied.iter().map(|(i, _)| *i).collect();
-            Units::new(&refs, &index, &sizes, &pinned, cfg.bucket_mib)
+            Units::new(&refs, &index, &sizes, &pinned, &expert, cfg.bucket_mib)
         };
         let units = (cfg.zero >= 2).then(cut);
         let overlap = match cfg.overlaps_grad_reduce() {
@@ -242,8 +255,14 @@ impl<'a, M: Model> Worker<'a, M> {
             // Stage 1 cuts buckets by size, stages 2 and 3 by segment.
             let layout = match &units {
                 _ if cfg.zero == 0 => None,
-                Some(u) => Some(zero::Layout::of_groups(u.groups.clone(), &sizes, dp, r)),
-                None => Some(zero::Layout::new(&sizes, cfg.bucket_mib, dp, r)),
+                Some(u) => Some(zero::Layout::of_groups(
+                    u.groups.clone(),
+                    &sizes,
+                    &expert,
+                    dp,
+                    r,
+                )),
+                None => Some(zero::Layout::new(&sizes, &expert, cfg.bucket_mib, dp, r)),
             };
             match layout {
                 None => Optimizer::Full(AdamW::new(vars, cfg.adamw())),
@@ -279,6 +298,8 @@ impl<'a, M: Model> Worker<'a, M> {
             params,
             index,
             owned,
+            expert,
+            edp,
             tied,
             units,
             prefetcher,
@@ -289,6 +310,19 @@ impl<'a, M: Model> Worker<'a, M> {
             data,
             epoch: Instant::now(),
         })
+    }
+
+    /// Whether parameter `i` counts on this rank where every parameter of the job counts
+    /// once (the global norm without ZeRO, the checkpoint): an owned one (`owned`) on
+    /// the first replica, or for an expert on the first expert group, whose ranks hold
+    /// one copy of every expert between them.
+    fn counts_once(&self, i: usize) -> bool {
+        let dp = self.mesh.coord.dp;
+        self.owned[i]
+            && match self.expert[i] {
+                true => dp < self.cfg.ep,
+                false => dp == 0,
+            }
     }
 
     /// Times in traces are measured from `epoch`.
@@ -380,12 +414,12 @@ impl<'a, M: Model> Worker<'a, M> {
                 grad_reduce = self.sync_grads_after(&mut grads, pass.reduced)?;
                 let mut sq_owned = 0.0;
                 let mut bad_grad = None;
-                for ((g, p), owned) in grads.iter().zip(&self.params).zip(&self.owned) {
+                for (i, (g, p)) in grads.iter().zip(&self.params).enumerate() {
                     let s = sum_sq(g.as_ref().expect("synced"))?;
                     if !s.is_finite() && bad_grad.is_none() {
                         bad_grad = Some(p.name.clone());
                     }
-                    if *owned && self.mesh.coord.dp == 0 {
+                    if self.counts_once(i) {
                         sq_owned += s;
                     }
                 }
@@ -399,6 +433,7 @@ impl<'a, M: Model> Worker<'a, M> {
                     _ => ((0..o.layout.buckets.len()).collect(), Vec::new()),
                 };
                 self.sync_tied(&mut grads, self.units.is_none())?;
+                self.sync_experts(&mut grads)?;
                 let _gradients = switchyard_mem::scope(Category::Gradients);
                 let scattered = zero::reduce_scatter(
                     &o.layout,
@@ -418,8 +453,11 @@ impl<'a, M: Model> Worker<'a, M> {
                     }
                 }
                 // Every replica adds the squares of its own shard: together, each
-                // element once.
-                let (sq, bad) = zero::shard_norm(&o.layout, &s, &self.owned)?;
+                // element once (an expert's whole bucket: on one expert group).
+                let counted: Vec<bool> = (0..self.params.len())
+                    .map(|i| self.owned[i] && (!self.expert[i] || self.mesh.coord.dp < self.cfg.ep))
+                    .collect();
+                let (sq, bad) = zero::shard_norm(&o.layout, &s, &counted)?;
                 shards = Some(s);
                 (sq, bad.map(|i| self.params[i].name.clone()))
             }

@@ -14,7 +14,8 @@ use crate::zero::Optimizer;
 
 impl<M: Model> Worker<'_, M> {
     /// This rank's part of a checkpoint: the shards it owns (none outside data-parallel
-    /// replica 0; a replicated parameter on tensor rank 0 only; a tied table only on the
+    /// replica 0, but for `--ep` its experts on the replicas of the first expert group;
+    /// a replicated parameter on tensor rank 0 only; a tied table only on the
     /// stage that holds the embeddings) with their Adam moments, whole: under ZeRO they
     /// are all-gathered from the replicas, so every replica must call this (a collective
     /// over the data-parallel group), and the files are the same as without ZeRO.
@@ -27,13 +28,10 @@ impl<M: Model> Worker<'_, M> {
             Optimizer::Full(_) => None,
         };
         self.gathered(|| {
-            if self.mesh.coord.dp != 0 {
-                return Ok(Vec::new());
-            }
             let (tp_rank, tp_size) = (self.mesh.coord.tp, self.cfg.tp);
             let mut out = Vec::new();
-            for (i, (p, owned)) in self.params.iter().zip(&self.owned).enumerate() {
-                if !owned {
+            for (i, p) in self.params.iter().enumerate() {
+                if !self.counts_once(i) {
                     continue;
                 }
                 let (m, v) = match (&self.opt, &gathered) {
@@ -99,19 +97,29 @@ impl<M: Model> Worker<'_, M> {
     }
 
     /// Every parameter's full gradient by name, gathered over the tensor-parallel group
-    /// (a collective over `tp`). For parity tests and debugging.
+    /// (a collective over `tp`), and under `--ep` every expert's, gathered over the
+    /// expert group from the ranks that hold them (a collective over it). For parity
+    /// tests and debugging.
     pub fn full_grads(&self, grads: &[Option<Tensor>]) -> Result<Vec<(String, Tensor)>> {
         let tp = &*self.mesh.tp;
-        self.params
-            .iter()
-            .zip(grads)
-            .map(|(p, g)| {
-                let g = match g {
-                    Some(g) => g.clone(),
-                    None => p.var.zeros_like()?,
-                };
-                Ok((p.name.clone(), gather_full_tensor(tp, &p.spec, &g)?))
-            })
-            .collect()
+        let ep = self.store.expert_group();
+        let mut out = Vec::with_capacity(self.params.len());
+        for (p, g) in self.params.iter().zip(grads) {
+            let g = match g {
+                Some(g) => g.clone(),
+                None => p.var.zeros_like()?,
+            };
+            let full = gather_full_tensor(tp, &p.spec, &g)?;
+            match (&p.expert, &ep) {
+                (Some(peers), Some(ep)) => {
+                    let all = ep.all_gather(&full.unsqueeze(0)?, 0)?;
+                    for (j, name) in peers.iter().enumerate() {
+                        out.push((name.clone(), all.get(j)?));
+                    }
+                }
+                _ => out.push((p.name.clone(), full)),
+            }
+        }
+        Ok(out)
     }
 }

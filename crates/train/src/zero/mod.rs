@@ -26,6 +26,13 @@
 //! The communication is that of the all-reduce: a ring all-reduce is a reduce-scatter
 //! followed by an all-gather, and each moves `(dp − 1)/dp` of the (padded) bucket.
 //!
+//! Expert parameters (`--ep`, [`switchyard_shard::Param::expert`]) differ from replica
+//! to replica, so they never share a bucket with the others: their buckets are *whole*
+//! ([`Bucket::whole`]), cut over one replica, and kept entire with their moments by the
+//! replica that holds the experts (ZeRO over the dense parameters, as Megatron-Core and
+//! DeepSpeed-MoE do by default). Their gradients are summed over the replicas that hold
+//! the same experts before they get here, and nothing is communicated for them.
+//!
 //! Checkpoints keep today's format: [`ShardedAdamW::full_moments`] all-gathers every
 //! parameter's moments, so a ZeRO checkpoint loads on any layout and any stage, and
 //! [`ShardedAdamW::restore`] cuts full moments into this replica's shards.
@@ -33,16 +40,18 @@
 use std::ops::Range;
 
 use candle_core::{DType, Device, Tensor, Var};
-use switchyard_comm::{Communicator, ReduceOp};
+use switchyard_comm::Communicator;
 use switchyard_mem::Category;
 use switchyard_shard::storage::with_f32_values;
 
 use crate::error::{fail, Result};
 
+mod grads;
 mod prefetch;
 mod scatter;
 mod segments;
-use crate::optim::{sum_sq, update_slice, AdamW, AdamWConfig, StepScalars};
+use crate::optim::{update_slice, AdamW, AdamWConfig, StepScalars};
+pub use grads::{reduce_scatter, scatter_bucket, shard_norm};
 pub use prefetch::Prefetcher;
 pub use scatter::Scatterer;
 pub use segments::{Units, ZeroHooks};
@@ -85,7 +94,9 @@ pub struct Bucket {
     pub offsets: Vec<usize>,
     /// Elements in the bucket.
     pub len: usize,
-    /// Elements per replica: `⌈len / dp⌉` (the last replicas' shards end in padding).
+    /// The replicas it is cut over: `dp`, or 1 for a [`Bucket::whole`] one.
+    pub n: usize,
+    /// Elements per replica: `⌈len / n⌉` (the last replicas' shards end in padding).
     pub shard: usize,
     /// The pieces of parameters in this replica's shard, in order.
     pub pieces: Vec<Piece>,
@@ -93,6 +104,7 @@ pub struct Bucket {
 
 impl Bucket {
     fn new(params: Vec<usize>, sizes: &[usize], dp: usize, rank: usize) -> Bucket {
+        let (dp, rank) = (dp.max(1), rank);
         let mut offsets = Vec::with_capacity(params.len());
         let mut len = 0;
         for &i in &params {
@@ -118,14 +130,21 @@ impl Bucket {
             params,
             offsets,
             len,
+            n: dp,
             shard,
             pieces,
         }
     }
 
-    /// Elements in the bucket with its padding: `shard · dp`.
-    pub fn padded(&self, dp: usize) -> usize {
-        self.shard * dp
+    /// Elements in the bucket with its padding: `shard · n`.
+    pub fn padded(&self) -> usize {
+        self.shard * self.n
+    }
+
+    /// Whether this replica keeps the bucket entire (expert parameters): its reduce-
+    /// scatter and all-gather are no-ops.
+    pub fn whole(&self) -> bool {
+        self.n == 1
     }
 }
 
@@ -138,21 +157,41 @@ pub struct Layout {
 }
 
 impl Layout {
-    /// The layout of parameters with `sizes` elements for replica `rank` of `dp`.
-    pub fn new(sizes: &[usize], bucket_mib: f64, dp: usize, rank: usize) -> Layout {
-        let buckets = buckets(sizes, bucket_mib)
-            .into_iter()
-            .map(|r| Bucket::new(r.collect(), sizes, dp, rank))
-            .collect();
-        Layout { dp, rank, buckets }
+    /// The layout of parameters with `sizes` elements for replica `rank` of `dp`: the
+    /// parameters not marked `whole` cut by size, then the `whole` ones (expert
+    /// parameters, kept entire; `whole` may be empty: none) cut by size.
+    pub fn new(sizes: &[usize], whole: &[bool], bucket_mib: f64, dp: usize, rank: usize) -> Layout {
+        let is_whole = |i: usize| whole.get(i).copied().unwrap_or(false);
+        let mut groups = Vec::new();
+        for w in [false, true] {
+            let idx: Vec<usize> = (0..sizes.len()).filter(|&i| is_whole(i) == w).collect();
+            let sz: Vec<usize> = idx.iter().map(|&i| sizes[i]).collect();
+            groups.extend(
+                buckets(&sz, bucket_mib)
+                    .into_iter()
+                    .map(|r| idx[r].to_vec()),
+            );
+        }
+        Layout::of_groups(groups, sizes, whole, dp, rank)
     }
 
     /// The layout of parameters with `sizes` elements cut into the given `groups` of
-    /// parameter indices (each ascending; together each index once), one bucket each.
-    pub fn of_groups(groups: Vec<Vec<usize>>, sizes: &[usize], dp: usize, rank: usize) -> Layout {
+    /// parameter indices (each ascending; together each index once), one bucket each;
+    /// a group of `whole` parameters (all or none of it) is kept entire.
+    pub fn of_groups(
+        groups: Vec<Vec<usize>>,
+        sizes: &[usize],
+        whole: &[bool],
+        dp: usize,
+        rank: usize,
+    ) -> Layout {
+        let is_whole = |g: &[usize]| g.iter().any(|&i| whole.get(i).copied().unwrap_or(false));
         let buckets = groups
             .into_iter()
-            .map(|g| Bucket::new(g, sizes, dp, rank))
+            .map(|g| match is_whole(&g) {
+                true => Bucket::new(g, sizes, 1, 0),
+                false => Bucket::new(g, sizes, dp, rank),
+            })
             .collect();
         Layout { dp, rank, buckets }
     }
@@ -161,91 +200,6 @@ impl Layout {
     pub fn shard_elems(&self) -> usize {
         self.buckets.iter().map(|b| b.shard).sum()
     }
-}
-
-/// The ZeRO stage 1 gradient step of [`crate::Worker`] (and stage 2's for parameters
-/// no segment owns): reduce-scatters each of `which` buckets of `grads` over `dp`,
-/// returning this replica's summed shard of each. With `keep_full` (stage 1) the full
-/// gradients stay in `grads`; without it each bucket's are dropped as soon as it is
-/// scattered.
-pub fn reduce_scatter(
-    layout: &Layout,
-    which: impl IntoIterator<Item = usize>,
-    dp: &dyn Communicator,
-    grads: &mut [Option<Tensor>],
-    keep_full: bool,
-) -> Result<Vec<(usize, Tensor)>> {
-    let mut shards = Vec::new();
-    for k in which {
-        let b = &layout.buckets[k];
-        let shard = scatter_bucket(b, layout.dp, dp, |i| grads[i].clone())?;
-        if !keep_full {
-            for &i in &b.params {
-                grads[i] = None;
-            }
-        }
-        shards.push((k, shard));
-    }
-    Ok(shards)
-}
-
-/// Reduce-scatters one bucket over `dp`: its parameters' gradients (`grad(i)`, zeros
-/// where `None`) flattened, padded and summed; this replica's shard of the sum.
-pub fn scatter_bucket(
-    b: &Bucket,
-    dpn: usize,
-    dp: &dyn Communicator,
-    mut grad: impl FnMut(usize) -> Option<Tensor>,
-) -> Result<Tensor> {
-    let given: Vec<Option<Tensor>> = b.params.iter().map(|&i| grad(i)).collect();
-    // The flattened bucket is a communication buffer (a peer of the in-process
-    // transport may still be reading it when this replica has moved on); the shard the
-    // reduce-scatter returns is gradients again.
-    let comm = switchyard_mem::scope(Category::Comm);
-    let device = given
-        .iter()
-        .flatten()
-        .next()
-        .map_or(Device::Cpu, |g| g.device().clone());
-    let ends = b.offsets.iter().skip(1).chain([&b.len]);
-    let mut flat = Vec::with_capacity(b.params.len() + 1);
-    for (g, (&o, &end)) in given.into_iter().zip(b.offsets.iter().zip(ends)) {
-        flat.push(match g {
-            Some(g) => g.flatten_all()?,
-            None => Tensor::zeros(end - o, DType::F32, &device)?,
-        });
-    }
-    let pad = b.padded(dpn) - b.len;
-    if pad > 0 {
-        flat.push(Tensor::zeros(pad, DType::F32, &device)?);
-    }
-    let cat = Tensor::cat(&flat, 0)?;
-    drop(flat);
-    drop(comm);
-    Ok(dp.reduce_scatter(&cat, 0, ReduceOp::Sum)?)
-}
-
-/// What the step's norm needs from this replica's shards: the sum of the squares of the
-/// pieces of the parameters it `owned`s, and the first parameter (of any) whose piece is
-/// not finite.
-pub fn shard_norm(
-    layout: &Layout,
-    shards: &[Tensor],
-    owned: &[bool],
-) -> Result<(f64, Option<usize>)> {
-    let (mut sq, mut bad) = (0.0, None);
-    for (b, s) in layout.buckets.iter().zip(shards) {
-        for p in &b.pieces {
-            let x = sum_sq(&s.narrow(0, p.at, p.len)?)?;
-            if !x.is_finite() && bad.is_none() {
-                bad = Some(p.param);
-            }
-            if owned[p.param] {
-                sq += x;
-            }
-        }
-    }
-    Ok((sq, bad))
 }
 
 /// AdamW over this replica's shards (ZeRO stages 1 and 2): the moments of `1/dp` of
@@ -324,6 +278,9 @@ impl ShardedAdamW {
         let Some(mine) = self.held_shard(k)? else {
             return Ok(());
         };
+        if self.layout.buckets[k].whole() {
+            return self.fill(k, &mine);
+        }
         let full = {
             let _comm = switchyard_mem::scope(Category::Comm);
             dp.all_gather(&mine, 0)?
@@ -384,7 +341,6 @@ impl ShardedAdamW {
             );
         }
         self.t += 1;
-        let dpn = self.layout.dp;
         for (k, (b, g)) in self.layout.buckets.iter().zip(shards).enumerate() {
             // Stage 3 updates its own shard of the parameters; stages 1 and 2 read theirs
             // into a buffer the all-gather then sends (a communication buffer: the
@@ -434,8 +390,12 @@ impl ShardedAdamW {
                 continue;
             }
             let comm = switchyard_mem::scope(Category::Comm);
-            let full = dp.all_gather(&Tensor::from_vec(p, b.shard, &Device::Cpu)?, 0)?;
-            debug_assert_eq!(full.elem_count(), b.padded(dpn));
+            let mine = Tensor::from_vec(p, b.shard, &Device::Cpu)?;
+            let full = match b.whole() {
+                true => mine,
+                false => dp.all_gather(&mine, 0)?,
+            };
+            debug_assert_eq!(full.elem_count(), b.padded());
             for (&i, &o) in b.params.iter().zip(&b.offsets) {
                 let var = &self.params[i];
                 let n = var.elem_count();
@@ -454,6 +414,9 @@ impl ShardedAdamW {
         let mut out = vec![(Vec::new(), Vec::new()); self.params.len()];
         for (k, b) in self.layout.buckets.iter().enumerate() {
             let gather = |x: &[f64]| -> Result<Vec<f64>> {
+                if b.whole() {
+                    return Ok(x.to_vec());
+                }
                 let t = Tensor::from_slice(x, x.len(), &Device::Cpu)?;
                 Ok(dp.all_gather(&t, 0)?.to_vec1::<f64>()?)
             };
@@ -553,7 +516,7 @@ mod tests {
         for dp in 1..=5 {
             let mut seen = vec![0; 16];
             for rank in 0..dp {
-                let l = Layout::new(&sizes, 100.0, dp, rank);
+                let l = Layout::new(&sizes, &[], 100.0, dp, rank);
                 let b = &l.buckets[0];
                 assert_eq!((b.len, b.shard), (16, 16usize.div_ceil(dp)));
                 for p in &b.pieces {

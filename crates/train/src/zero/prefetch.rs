@@ -199,7 +199,8 @@ mod tests {
                     Var::from_tensor(&Tensor::from_vec(v, n, &Device::Cpu)?)
                 })
                 .collect::<candle_core::Result<_>>()?;
-            let layout = Layout::of_groups(vec![vec![0], vec![1], vec![2]], &sizes, 2, dp.rank());
+            let layout =
+                Layout::of_groups(vec![vec![0], vec![1], vec![2]], &sizes, &[], 2, dp.rank());
             let mut opt = ShardedAdamW::new(vars.clone(), AdamWConfig::default(), layout);
             opt.shard_params()?;
             let prefetcher = Prefetcher::new(&*dp)?;

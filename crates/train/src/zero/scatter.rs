@@ -53,20 +53,14 @@ impl Scatterer {
         })
     }
 
-    /// Starts reduce-scattering bucket `k` (`b`, cut for `dpn` replicas) from the
-    /// gradients `mine` (by parameter index; a parameter without one counts zeros).
-    pub fn start(
-        &self,
-        k: usize,
-        b: Bucket,
-        dpn: usize,
-        mut mine: HashMap<usize, Tensor>,
-    ) -> Result<InFlight> {
+    /// Starts reduce-scattering bucket `k` (`b`) from the gradients `mine` (by
+    /// parameter index; a parameter without one counts zeros).
+    pub fn start(&self, k: usize, b: Bucket, mut mine: HashMap<usize, Tensor>) -> Result<InFlight> {
         let (done, rx) = bounded(1);
         let scatter = move |comm: &dyn Communicator| -> Deliver {
             let shard = {
                 let _gradients = switchyard_mem::scope(Category::Gradients);
-                scatter_bucket(&b, dpn, comm, |p| mine.remove(&p))
+                scatter_bucket(&b, comm, |p| mine.remove(&p))
             };
             drop(mine);
             // The hook that waited may be gone (its rank failed).

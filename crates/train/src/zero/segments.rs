@@ -39,7 +39,7 @@ pub struct Units {
     /// Per parameter index, its segment `(stage, segment)`, or `None` when resident.
     pub owner: Vec<Option<(u32, usize)>>,
     /// The groups of parameter indices, one per bucket: the segments' first (in stage
-    /// and segment order), then the resident ones cut by size.
+    /// and segment order), then the resident ones cut by size (the whole ones last).
     pub groups: Vec<Vec<usize>>,
     /// The bucket of each segment that owns parameters.
     pub bucket_of: HashMap<(u32, usize), usize>,
@@ -67,14 +67,17 @@ impl Units {
 
     /// Cuts a rank's parameters (`sizes`, by index; `index` maps a variable to its
     /// index) by the segments of its `stages` that use them; `pinned` parameters are
-    /// resident whatever uses them.
+    /// resident whatever uses them, and so are the `whole` ones (expert parameters:
+    /// summed over another group, kept entire by ZeRO), cut into buckets of their own.
     pub fn new(
         stages: &[(u32, &dyn Stage)],
         index: &HashMap<TensorId, usize>,
         sizes: &[usize],
         pinned: &[usize],
+        whole: &[bool],
         bucket_mib: f64,
     ) -> Units {
+        let is_whole = |p: usize| whole.get(p).copied().unwrap_or(false);
         let mut uses: Vec<Vec<(u32, usize)>> = vec![Vec::new(); sizes.len()];
         for &(s, stage) in stages {
             for i in 0..stage.num_segments() {
@@ -90,10 +93,12 @@ impl Units {
         let owner: Vec<Option<(u32, usize)>> = uses
             .iter()
             .enumerate()
-            .map(|(p, u)| match (u.as_slice(), pinned.contains(&p)) {
-                ([one], false) => Some(*one),
-                _ => None,
-            })
+            .map(
+                |(p, u)| match (u.as_slice(), pinned.contains(&p) || is_whole(p)) {
+                    ([one], false) => Some(*one),
+                    _ => None,
+                },
+            )
             .collect();
         let mut by_segment: std::collections::BTreeMap<(u32, usize), Vec<usize>> =
             Default::default();
@@ -108,13 +113,16 @@ impl Units {
             bucket_of.insert(seg, groups.len());
             groups.push(params);
         }
-        let resident_params: Vec<usize> =
-            (0..sizes.len()).filter(|&p| owner[p].is_none()).collect();
-        let resident_sizes: Vec<usize> = resident_params.iter().map(|&p| sizes[p]).collect();
         let mut resident = Vec::new();
-        for r in super::buckets(&resident_sizes, bucket_mib) {
-            resident.push(groups.len());
-            groups.push(r.map(|j| resident_params[j]).collect());
+        for w in [false, true] {
+            let resident_params: Vec<usize> = (0..sizes.len())
+                .filter(|&p| owner[p].is_none() && is_whole(p) == w)
+                .collect();
+            let resident_sizes: Vec<usize> = resident_params.iter().map(|&p| sizes[p]).collect();
+            for r in super::buckets(&resident_sizes, bucket_mib) {
+                resident.push(groups.len());
+                groups.push(r.map(|j| resident_params[j]).collect());
+            }
         }
         Units {
             owner,
@@ -279,16 +287,13 @@ impl SegmentHooks for ZeroHooks<'_> {
         let _gradients = switchyard_mem::scope(Category::Gradients);
         let b = &self.opt.layout.buckets[k];
         let Some((thread, in_flight)) = &self.scatter else {
-            let shard = scatter_bucket(b, self.opt.layout.dp, self.dp, |p| mine.remove(&p))
-                .map_err(hook_err)?;
+            let shard = scatter_bucket(b, self.dp, |p| mine.remove(&p)).map_err(hook_err)?;
             return self.add_shard(k, shard).map_err(hook_err);
         };
         // One bucket on the thread at a time: the one before this segment's is done
         // (its shard added, in microbatch order) before this one goes.
         self.take_in_flight().map_err(hook_err)?;
-        let f = thread
-            .start(k, b.clone(), self.opt.layout.dp, mine)
-            .map_err(hook_err)?;
+        let f = thread.start(k, b.clone(), mine).map_err(hook_err)?;
         *in_flight.lock().unwrap_or_else(|e| e.into_inner()) = Some(f);
         Ok(())
     }
