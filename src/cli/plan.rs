@@ -347,7 +347,7 @@ fn row_json(
     };
     serde_json::json!({
         "layout": c.layout.to_string(),
-        "dp": c.layout.dp, "pp": c.layout.pp, "tp": c.layout.tp,
+        "dp": c.layout.dp, "pp": c.layout.pp, "tp": c.layout.tp, "ep": c.layout.ep,
         "schedule": c.layout.schedule.to_string(),
         "microbatches": c.layout.microbatches,
         "verdict": verdict,
@@ -419,10 +419,11 @@ fn explain(
                     .unwrap_or_default()
             );
             println!(
-                "    pipeline {:.1} ms (compute {:.1}, tensor-parallel all-reduces {:.1}, messages {:.1}; bubble {:.1} %), data-parallel all-reduce {:.1} ms, optimizer {:.1} ms, fixed cost {:.1} ms",
+                "    pipeline {:.1} ms (compute {:.1}, tensor-parallel all-reduces {:.1}, expert all-to-alls {:.1}, messages {:.1}; bubble {:.1} %), data-parallel all-reduce {:.1} ms, optimizer {:.1} ms, fixed cost {:.1} ms",
                 t.pipeline_s * 1e3,
                 t.compute_s * 1e3,
                 t.tp_comm_s * 1e3,
+                t.ep_comm_s * 1e3,
                 t.p2p_s * 1e3,
                 100.0 * t.bubble_fraction,
                 t.dp_allreduce_s * 1e3,

@@ -69,11 +69,13 @@ mod mesh;
 pub mod mpi;
 mod reduce;
 pub mod threads;
+mod timed;
 
 pub use counting::{Counting, Counts, Traffic};
 pub use error::{CommError, Peer, Result};
 pub use latency::Latency;
 pub use mesh::{Mesh, MeshCoord, MeshShape};
+pub use timed::{Span, Spans, Timed};
 
 /// A message tag. Messages between the same pair of ranks are matched by tag, so
 /// several exchanges (for example activations and gradients of different microbatches)

@@ -375,14 +375,32 @@ impl Model for GptConfig {
         self.moe.experts
     }
 
+    fn expert_params(&self) -> usize {
+        let (d, h) = (self.d_model, self.moe.hidden(self.d_model));
+        self.moe.moe_layers(self.n_layer) * self.moe.experts * (2 * h * d + h + d)
+    }
+
+    fn expert_exchange(&self) -> Vec<usize> {
+        (0..self.n_layer)
+            .map(|i| match self.moe.is_moe_layer(i) {
+                true => self.moe.top_k * self.d_model,
+                false => 0,
+            })
+            .collect()
+    }
+
     /// `aux 0.0210 dropped 0.0%`: the balancing loss's part of the objective and the
     /// share of the choices over capacity.
     fn summarize_metrics(&self, sums: &std::collections::BTreeMap<String, f64>) -> Option<String> {
         let aux = sums.get("moe/aux_loss")?;
         let dropped = sums.get("moe/dropped")?;
         let choices = sums.get("moe/choices")?.max(1.0);
+        let z = match self.moe.z_loss_coef > 0.0 {
+            true => format!(" z {:.4}", sums.get("moe/z_loss")?),
+            false => String::new(),
+        };
         Some(format!(
-            "aux {aux:.4} dropped {:.1}%",
+            "aux {aux:.4}{z} dropped {:.1}%",
             100.0 * dropped / choices
         ))
     }
@@ -393,7 +411,7 @@ impl Model for GptConfig {
         if self.moe.is_dense() {
             return Vec::new();
         }
-        let mut names: Vec<String> = ["moe/aux_loss", "moe/choices", "moe/dropped"]
+        let mut names: Vec<String> = ["moe/aux_loss", "moe/z_loss", "moe/choices", "moe/dropped"]
             .map(String::from)
             .to_vec();
         for i in (0..self.n_layer).filter(|&i| self.moe.is_moe_layer(i)) {

@@ -65,8 +65,9 @@ pub(crate) fn footprint(
         .clone()
         .filter(|&i| cfg.moe.is_moe_layer(i))
         .count();
-    // The block with the most parameters, and its experts' share.
-    let mut block_experts = 0;
+    // The block with the most parameters without its experts (which `--ep` keeps
+    // resident, out of the segments' buckets).
+    let mut block_dense = 0;
     for i in plan.blocks.clone() {
         let mut this = 0;
         let attn = [d, d, 3 * d * d / tp, 3 * d / tp, d * d / tp, d, d, d];
@@ -86,17 +87,14 @@ pub(crate) fn footprint(
                 let n: usize = expert.iter().sum();
                 f.experts += experts * n;
                 f.expert_tensors += experts * expert.len();
+                block_dense = block_dense.max(this - experts * n);
             }
         }
-        if this > block {
-            block = this;
-            block_experts = match cfg.moe.is_moe_layer(i) {
-                true => experts * expert.iter().sum::<usize>(),
-                false => 0,
-            };
+        if !cfg.moe.is_moe_layer(i) {
+            block_dense = block_dense.max(this);
         }
+        block = block.max(this);
     }
-    f.segment_experts = block_experts;
     // The segments: a block each, the embeddings with the first, the head with the
     // last; a table tied to a head on the same stage is used by both ends.
     let tied_here = cfg.tied_embeddings && plan.embed && plan.head;
@@ -116,10 +114,12 @@ pub(crate) fn footprint(
         false => 0,
     };
     f.shared = if tied_here { rows * d } else { 0 };
-    f.largest_segment = match layers {
+    let segment = |block: usize| match layers {
         0 | 1 => block + embed_seg + head_seg,
         _ => block + embed_seg.max(head_seg),
     };
+    f.largest_segment = segment(block);
+    f.largest_segment_without_experts = segment(block_dense);
     if plan.head {
         f.add_param(d);
         f.add_param(d);
@@ -194,8 +194,8 @@ pub(crate) fn footprint(
     // the scatter-add's zeros and result and the balancing loss's copy are `2·d` more
     // than the dense MLP's output, and the router `12` values per expert (its logits,
     // probabilities and the masks and gates derived from them). Within 4 % of the
-    // measurement in `tests/estimate.rs`. Expert parallelism is not seen here: every
-    // expert's packed weights are counted, where a replica packs only its own.
+    // measurement in `tests/estimate.rs`. Expert parallelism is the estimator's: it
+    // divides `experts`, `expert_tensors` and `expert_cache` by `ep`.
     let (k, hid) = (cfg.moe.top_k as f64, cfg.moe.hidden(cfg.d_model) as f64);
     let moe_block =
         k * (2.0 * hid / a * kept + 4.0 * d) + 2.0 * d + 12.0 * experts as f64 - 8.0 * d / a * kept;

@@ -77,6 +77,20 @@ pub trait Model:
         0
     }
 
+    /// Per layer of [`Model::costs`]' `blocks`, the elements per token it sends to its
+    /// experts under expert parallelism, and gets back (`k · d` for a mixture routing
+    /// each token to `k` experts of a `d`-wide stream; 0 for a layer without): what the
+    /// time model prices the all-to-alls by. Default: none.
+    fn expert_exchange(&self) -> Vec<usize> {
+        Vec::new()
+    }
+
+    /// Of the elements of [`Model::param_shapes`], the experts' (which expert
+    /// parallelism spreads: a replica holds `1/ep` of them). Default: none.
+    fn expert_params(&self) -> usize {
+        0
+    }
+
     /// The names of what the stages count each step besides the loss
     /// ([`ModelStage::take_metrics`]); the trainer sums each over the job's ranks (one
     /// per tensor-parallel group) and reports the sums. Default: none.
@@ -275,9 +289,9 @@ pub struct Footprint {
     pub expert_tensors: usize,
     /// Of `step_cache`, what the experts pack (`1/N` of it under `--ep N`).
     pub expert_cache: usize,
-    /// Of `largest_segment`, the experts' elements (resident under `--ep`, not in the
-    /// segment's bucket).
-    pub segment_experts: usize,
+    /// `largest_segment` with every block's experts left out: under `--ep` they are
+    /// resident, out of the segments' buckets.
+    pub largest_segment_without_experts: usize,
     /// What a microbatch's forward keeps for its backward; `None`: not described.
     pub activations: Option<Activations>,
 }

@@ -28,6 +28,9 @@ pub struct MoeConfig {
     pub capacity_factor: f64,
     /// `α` of the load-balancing loss `α · E · Σ_e f_e · P_e` (0: none).
     pub aux_loss_coef: f64,
+    /// `β` of the router z-loss `β · mean over tokens of (log Σ_e exp z_e)²` (ST-MoE;
+    /// 0: none, the default; ST-MoE uses 0.001).
+    pub z_loss_coef: f64,
     /// The hidden width of each expert's MLP; 0: the dense MLP's, `4·d` (Megatron's
     /// `--moe-ffn-hidden-size`). With top 2, `2·d` costs a token what the dense MLP does.
     pub ffn_hidden: usize,
@@ -43,6 +46,7 @@ impl Default for MoeConfig {
             every: 1,
             capacity_factor: 0.0,
             aux_loss_coef: 0.01,
+            z_loss_coef: 0.0,
             ffn_hidden: 0,
         }
     }
@@ -82,6 +86,7 @@ impl MoeConfig {
             top_k: self.top_k,
             capacity_factor: self.capacity_factor,
             aux_loss_coef: self.aux_loss_coef,
+            z_loss_coef: self.z_loss_coef,
         }
     }
 
@@ -99,6 +104,7 @@ impl MoeConfig {
                     "--capacity-factor",
                 ),
                 (self.aux_loss_coef != d.aux_loss_coef, "--aux-loss-coef"),
+                (self.z_loss_coef != d.z_loss_coef, "--z-loss-coef"),
                 (self.ffn_hidden != d.ffn_hidden, "--expert-hidden"),
             ];
             if let Some((_, flag)) = set.iter().find(|s| s.0) {
@@ -132,6 +138,12 @@ impl MoeConfig {
             return bad(format!(
                 "--aux-loss-coef {} must be 0 or positive",
                 self.aux_loss_coef
+            ));
+        }
+        if !(self.z_loss_coef.is_finite() && self.z_loss_coef >= 0.0) {
+            return bad(format!(
+                "--z-loss-coef {} must be 0 or positive",
+                self.z_loss_coef
             ));
         }
         Ok(())
@@ -178,5 +190,11 @@ mod tests {
         assert!(m(|c| (c.experts, c.top_k) = (0, 1))
             .unwrap()
             .contains("--top-k sets up mixtures of experts"));
+        assert!(m(|c| c.z_loss_coef = -0.1)
+            .unwrap()
+            .contains("--z-loss-coef -0.1 must be 0 or positive"));
+        assert!(m(|c| (c.experts, c.z_loss_coef) = (0, 0.001))
+            .unwrap()
+            .contains("--z-loss-coef sets up mixtures of experts"));
     }
 }

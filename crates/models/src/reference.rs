@@ -211,7 +211,14 @@ impl ReferenceGpt {
         }
         let f = Tensor::from_vec(f, (b, e_n), dev)?.to_dtype(h.dtype())?;
         let p_mean = probs.mean(1)?;
-        let aux = ((p_mean * f)?.sum_all()? * (e_n as f64 * m.aux_loss_coef / b as f64))?;
+        let mut aux = ((p_mean * f)?.sum_all()? * (e_n as f64 * m.aux_loss_coef / b as f64))?;
+        if m.z_loss_coef > 0.0 {
+            // The router z-loss: per token (log Σ_e exp z_e)², its mean over the
+            // sequence, the mean over the sequences.
+            let z = linear(h, router, None)?;
+            let lse = z.exp()?.sum_keepdim(D::Minus1)?.log()?;
+            aux = (aux + (lse.sqr()?.mean_all()? * m.z_loss_coef)?)?;
+        }
         Ok((out, aux))
     }
 

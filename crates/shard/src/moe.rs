@@ -27,6 +27,11 @@
 //! [`switchyard_ops::attach_loss`], scaled by the [`LossScale`] the pipeline stage is
 //! told).
 //!
+//! **Router z-loss** (ST-MoE, Zoph et al. 2022), optional: per sequence the mean over its
+//! tokens of `(log Σ_e exp(z_e))²`, `z` the router's logits, which keeps the logits small
+//! (the softmax in f32 stays accurate); the objective adds `β` times its mean over the
+//! job's sequences, attached the same way.
+//!
 //! **Tensor parallelism.** The router is replicated (every rank routes the same way, as
 //! its input is replicated); each expert is a [`ParallelMlp`], split over the group like
 //! a dense MLP, so an expert costs one all-reduce forward and one backward on the tokens
@@ -58,6 +63,8 @@ pub struct MoeOptions {
     pub capacity_factor: f64,
     /// `α`, the balancing loss's coefficient (0: none).
     pub aux_loss_coef: f64,
+    /// `β`, the router z-loss's coefficient (0: none).
+    pub z_loss_coef: f64,
 }
 
 impl MoeOptions {
@@ -449,10 +456,27 @@ impl ParallelMoe {
             aux_part = scale * aux.to_dtype(DType::F64)?.to_scalar::<f64>()?;
             out = switchyard_ops::attach_loss(&out, &aux, scale)?;
         }
+        let mut z_part = 0.0;
+        if self.opts.z_loss_coef > 0.0 {
+            // Σ over the sequences of the mean over its tokens of logsumexp(z)²; the
+            // max is a constant shift (its gradient would cancel).
+            let max = logits.max_keepdim(D::Minus1)?.detach();
+            let lse = (logits
+                .broadcast_sub(&max)?
+                .exp()?
+                .sum_keepdim(D::Minus1)?
+                .log()?
+                + max)?;
+            let z = (lse.sqr()?.sum_all()? / t as f64)?;
+            let scale = self.opts.z_loss_coef * self.loss_scale.get() / b as f64;
+            z_part = scale * z.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+            out = switchyard_ops::attach_loss(&out, &z, scale)?;
+        }
         let name = &self.name;
         self.stats.add(
             [
                 ("moe/aux_loss".to_string(), aux_part),
+                ("moe/z_loss".to_string(), z_part),
                 ("moe/choices".into(), (b * t * self.opts.top_k) as f64),
                 ("moe/dropped".into(), r.dropped as f64),
             ]
@@ -501,6 +525,7 @@ mod tests {
             top_k,
             capacity_factor,
             aux_loss_coef: 0.01,
+            z_loss_coef: 0.0,
         }
     }
 

@@ -75,5 +75,7 @@ pub use device::DeviceSpec;
 pub use error::TrainError;
 pub use report::{peak_rss, Coords, PipelineRankReport, RankMemory, StepRecord, TrainReport};
 pub use trainer::{train, train_rank, Resume, TrainOptions};
-pub use worker::{GradReduceStats, GradReducer, NonFinite, ReduceSpan, StepMetrics, Worker};
+pub use worker::{
+    CommSpan, GradReduceStats, GradReducer, NonFinite, ReduceSpan, StepMetrics, Worker,
+};
 pub use zero::Optimizer;

@@ -443,6 +443,20 @@ fn gather_events<M: Model>(worker: &Worker<M>, steps: &[StepMetrics]) -> Result<
         }
     }
     rows.extend(reduce::trace_rows(me, steps));
+    for s in steps {
+        for c in &s.expert_comm {
+            let op = EXPERT_OPS.iter().position(|o| *o == c.op).unwrap_or(0);
+            rows.extend([
+                me,
+                s.step as f64,
+                -1.0,
+                EXPERT_OP - op as f64,
+                c.bytes as f64,
+                c.start_us,
+                c.dur_us,
+            ]);
+        }
+    }
     let n = rows.len() / 7;
     let counts = world
         .all_gather(&Tensor::new(&[n as f64], &Device::Cpu)?, 0)?
@@ -460,9 +474,24 @@ fn gather_events<M: Model>(worker: &Worker<M>, steps: &[StepMetrics]) -> Result<
         .collect())
 }
 
+/// The op codes of the expert group's collectives in the gathered trace rows:
+/// `EXPERT_OP − k` for `EXPERT_OPS[k]` (the executor's actions use `Op::index`, from 0;
+/// the gradient all-reduce −1).
+const EXPERT_OP: f64 = -2.0;
+const EXPERT_OPS: [&str; 6] = [
+    "all_to_all",
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "broadcast",
+    "barrier",
+];
+
 /// A Chrome trace (Perfetto): a track per rank, a slice per action; with data-parallel
 /// replicas, a second track per rank (`tid` = world size + rank) with its gradient
-/// all-reduces (the communication thread's during the backward, and the one after it).
+/// all-reduces (the communication thread's during the backward, and the one after it);
+/// with expert parallelism, a third (`tid` = 2 × world size + rank) with the expert
+/// group's all-to-alls, forward and backward, each with its bytes.
 fn write_trace<M>(cfg: &TrainConfig<M>, path: &Path, events: Vec<[f64; 7]>) -> Result<()> {
     let mesh = cfg.mesh();
     let world = cfg.world_size();
@@ -481,6 +510,7 @@ fn write_trace<M>(cfg: &TrainConfig<M>, path: &Path, events: Vec<[f64; 7]>) -> R
         })
         .collect();
     let mut comm_tracks = std::collections::BTreeSet::new();
+    let mut expert_tracks = std::collections::BTreeSet::new();
     for e in events {
         let rank = e[0] as usize;
         if e[3] == reduce::ALL_REDUCE_OP {
@@ -498,6 +528,21 @@ fn write_trace<M>(cfg: &TrainConfig<M>, path: &Path, events: Vec<[f64; 7]>) -> R
                 "name": name, "cat": "all-reduce",
                 "ph": "X", "ts": e[5], "dur": e[6], "pid": 0, "tid": world + rank,
                 "args": { "step": e[1] as usize }
+            }));
+            continue;
+        }
+        if e[3] <= EXPERT_OP {
+            if expert_tracks.insert(rank) {
+                out.push(track(
+                    2 * world + rank,
+                    format!("rank {rank} expert-parallel all-to-all"),
+                ));
+            }
+            let op = EXPERT_OPS[(EXPERT_OP - e[3]) as usize];
+            out.push(serde_json::json!({
+                "name": op.replace('_', "-"), "cat": "expert",
+                "ph": "X", "ts": e[5], "dur": e[6], "pid": 0, "tid": 2 * world + rank,
+                "args": { "step": e[1] as usize, "bytes": e[4] as u64 }
             }));
             continue;
         }

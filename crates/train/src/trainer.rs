@@ -402,6 +402,7 @@ fn run_rank<M: Model>(
         // growing with actions per step).
         if opts.trace.is_none() {
             m.exec.events = Vec::new();
+            m.expert_comm = Vec::new();
         }
         steps.push(m);
         let stop = done < cfg.steps && stop_requested(&worker, opts.stop.as_deref())?;

@@ -24,6 +24,7 @@ fn moe(dp: usize, pp: usize, tp: usize, schedule: &str) -> TrainConfig<GptConfig
         every: 2,
         capacity_factor: 0.0,
         aux_loss_coef: 0.01,
+        z_loss_coef: 0.0,
         ffn_hidden: 0,
     };
     c
@@ -65,8 +66,10 @@ fn switch_routing_a_capacity_limit_narrow_experts_and_no_balancing_loss_match() 
         let mut c = moe(dp, pp, tp, s);
         c.model.moe.capacity_factor = 0.5;
         cases.push(c);
+        // No balancing loss, and the router z-loss instead (large, to weigh in the
+        // gradients).
         let mut c = moe(dp, pp, tp, s);
-        c.model.moe.aux_loss_coef = 0.0;
+        (c.model.moe.aux_loss_coef, c.model.moe.z_loss_coef) = (0.0, 0.1);
         cases.push(c);
         // Experts narrower than the dense MLP (24 wide, not 64).
         let mut c = moe(dp, pp, tp, s);
@@ -319,6 +322,10 @@ fn expert_parallel_layouts_match_the_reference() {
         c.model.moe.top_k = 1;
         assert_step_parity(&c, 1e-5);
     }
+    // With the router z-loss on top of the balancing loss.
+    let mut c = moe(4, 1, 1, "1f1b");
+    (c.ep, c.model.moe.z_loss_coef) = (2, 0.1);
+    assert_step_parity(&c, 1e-5);
 }
 
 #[test]
@@ -444,6 +451,51 @@ fn experts_stored_apart_train_the_reference_curve_with_every_optimizer() {
 }
 
 #[test]
+fn the_trace_shows_the_all_to_alls_with_their_bytes() {
+    use std::collections::BTreeMap;
+    let dir = std::env::temp_dir().join(format!("switchyard-moe-trace-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut cfg = moe(2, 1, 1, "1f1b");
+    (cfg.ep, cfg.steps) = (2, 2);
+    let opts = TrainOptions {
+        trace: Some(dir.join("t.json")),
+        ..TrainOptions::default()
+    };
+    train(&cfg, &Corpus::bundled(), &opts).unwrap();
+    let trace: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("t.json")).unwrap()).unwrap();
+    let world = cfg.world_size();
+    // Per (rank, step): the slices and their bytes.
+    let mut seen: BTreeMap<(u64, u64), (usize, u64)> = BTreeMap::new();
+    for e in trace["traceEvents"].as_array().unwrap() {
+        if e["cat"] == "expert" {
+            assert_eq!(e["name"], "all-to-all");
+            let rank = e["tid"].as_u64().unwrap() - 2 * world as u64;
+            let at = seen
+                .entry((rank, e["args"]["step"].as_u64().unwrap()))
+                .or_default();
+            at.0 += 1;
+            at.1 += e["args"]["bytes"].as_u64().unwrap();
+        }
+    }
+    // Every rank, every step: 5 all-to-alls per mixture (4) and microbatch (4); the
+    // rows each way are every token's k choices of d floats, forward and backward,
+    // plus the counts (a u32 per expert from each rank), over the two ranks.
+    assert_eq!(seen.len(), world * 2, "{seen:?}");
+    let tokens = cfg.batch * cfg.seq_len;
+    let (d, k) = (cfg.model.d_model, 2);
+    let want = 4 * (4 * tokens * k * d * 4 + world * cfg.microbatches * 4 * 4);
+    for step in 0..2 {
+        let bytes: u64 = (0..world as u64).map(|r| seen[&(r, step)].1).sum();
+        assert_eq!(bytes as usize, want, "step {step}");
+        for r in 0..world as u64 {
+            assert_eq!(seen[&(r, step)].0, 4 * cfg.microbatches * 5);
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
 fn a_failed_expert_parallel_rank_fails_the_other_without_a_hang() {
     let mut c = moe(2, 1, 1, "1f1b");
     c.ep = 2;
@@ -478,6 +530,10 @@ fn the_step_reports_the_balancing_loss_and_where_the_tokens_went() {
     let mut c = moe(2, 2, 1, "1f1b");
     (c.recompute, c.steps, c.batch) = (Recompute::Full, 1, base.batch);
     cases.push(c);
+    // The router z-loss, reported beside the balancing loss.
+    let mut c = moe(2, 1, 2, "1f1b");
+    (c.ep, c.steps, c.batch, c.model.moe.z_loss_coef) = (2, 1, base.batch, 0.01);
+    cases.push(c);
     for c in &cases {
         let what = format!(
             "dp {} pp {} tp {} ep {} {} C {}",
@@ -488,7 +544,12 @@ fn the_step_reports_the_balancing_loss_and_where_the_tokens_went() {
         let want_aux = (objective - ce).unwrap().to_scalar::<f32>().unwrap() as f64;
         let report = train(c, &Corpus::bundled(), &TrainOptions::default()).unwrap();
         let m = &report.steps[0].model;
-        let aux = m["moe/aux_loss"];
+        let aux = m["moe/aux_loss"] + m["moe/z_loss"];
+        assert_eq!(
+            m["moe/z_loss"] > 0.0,
+            c.model.moe.z_loss_coef > 0.0,
+            "{what}"
+        );
         assert!(
             (aux - want_aux).abs() <= 1e-5 * want_aux,
             "{what}: aux {aux} vs reference {want_aux}"

@@ -23,6 +23,10 @@ pub struct MoeArgs {
     /// α of the load-balancing loss α·E·Σ f·P (default 0.01)
     #[arg(long, value_name = "ALPHA")]
     pub aux_loss_coef: Option<f64>,
+    /// β of the router z-loss β·mean (log Σ exp z)² over the tokens (ST-MoE; default 0:
+    /// none)
+    #[arg(long, value_name = "BETA")]
+    pub z_loss_coef: Option<f64>,
     /// Each expert's hidden width (default 4·d, the dense MLP's; 2·d with top 2 costs a
     /// token what the dense MLP does)
     #[arg(long, value_name = "H")]
@@ -46,6 +50,9 @@ impl MoeArgs {
         }
         if let Some(a) = self.aux_loss_coef {
             moe.aux_loss_coef = a;
+        }
+        if let Some(z) = self.z_loss_coef {
+            moe.z_loss_coef = z;
         }
     }
 }

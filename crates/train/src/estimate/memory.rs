@@ -271,7 +271,7 @@ pub fn estimate_memory<M: Model>(cfg: &TrainConfig<M>) -> Result<Vec<RankEstimat
             };
             segment = segment.max(match ep {
                 1 => f.largest_segment,
-                _ => f.largest_segment - f.segment_experts,
+                _ => f.largest_segment_without_experts,
             });
             whole += held;
             resident += f.shared + held;

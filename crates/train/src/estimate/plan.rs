@@ -5,8 +5,13 @@
 //! with why.
 //!
 //! A layout's text form is `dp2 pp2 tp1 1f1b m8` (`interleaved v2` for two virtual
-//! stages; `zero1` for ZeRO stage 1; `recompute-full` or `recompute-selective` for
-//! activation recomputation): [`Layout`] parses and prints it.
+//! stages; `ep2` for experts spread over groups of two replicas; `zero1` for ZeRO stage
+//! 1; `recompute-full` or `recompute-selective` for activation recomputation):
+//! [`Layout`] parses and prints it.
+//!
+//! A model with experts ([`Model::experts`]) is planned at every expert-parallel degree
+//! that divides both the replicas and the experts: `ep` trades the experts' memory (a
+//! replica holds `1/ep` of them) for all-to-alls (priced by the time model).
 //!
 //! The memory savers are tried in order of what they cost: for each layout and each ZeRO
 //! stage (0, and 1 with data parallelism: it shards the optimizer state and moves the
@@ -34,6 +39,8 @@ pub struct Layout {
     pub recompute: Recompute,
     /// The ZeRO stage over the data-parallel axis.
     pub zero: u8,
+    /// Expert parallelism: the replicas a mixture's experts are spread over (1: none).
+    pub ep: usize,
 }
 
 impl Layout {
@@ -56,6 +63,7 @@ impl Layout {
             microbatches: cfg.microbatches,
             recompute: cfg.recompute,
             zero: cfg.zero,
+            ep: cfg.ep.max(1),
         })
     }
 
@@ -73,11 +81,7 @@ impl Layout {
         c.schedule = ScheduleChoice::Named(self.schedule);
         c.recompute = self.recompute;
         c.zero = self.zero;
-        // Expert parallelism is not an axis of the plan: kept where it divides the
-        // layout's replicas, else off.
-        if !c.dp.is_multiple_of(c.ep.max(1)) {
-            c.ep = 1;
-        }
+        c.ep = self.ep;
         c
     }
 
@@ -96,6 +100,9 @@ impl fmt::Display for Layout {
             ref k => write!(f, "{k}")?,
         }
         write!(f, " m{}", self.microbatches)?;
+        if self.ep > 1 {
+            write!(f, " ep{}", self.ep)?;
+        }
         if self.zero > 0 {
             write!(f, " zero{}", self.zero)?;
         }
@@ -112,6 +119,7 @@ impl FromStr for Layout {
     /// axes are 1; `interleaved` takes `vN` (default 2).
     fn from_str(s: &str) -> Result<Layout, String> {
         let (mut dp, mut pp, mut tp, mut m, mut v) = (None, None, None, None, None);
+        let mut ep = None;
         let mut zero = None;
         let (mut schedule, mut recompute) = (None, None);
         for word in s.split_whitespace() {
@@ -146,6 +154,8 @@ impl FromStr for Layout {
                 Some((&mut m, n?))
             } else if let Some(n) = num("v") {
                 Some((&mut v, n?))
+            } else if let Some(n) = num("ep") {
+                Some((&mut ep, n?))
             } else if let Some(n) = word.strip_prefix("zero").and_then(|z| z.parse::<u8>().ok()) {
                 if zero.replace(n).is_some() {
                     return Err(format!("`{s}`: `{word}` given twice"));
@@ -163,7 +173,7 @@ impl FromStr for Layout {
                 None => {
                     let kind: ScheduleKind = word.parse().map_err(|_| {
                         format!(
-                            "`{s}`: `{word}` is neither an axis (dpN, ppN, tpN, mN, vN), a \
+                            "`{s}`: `{word}` is neither an axis (dpN, ppN, tpN, mN, vN, epN), a \
                              schedule (gpipe, 1f1b, interleaved, zb-h1), zeroN nor \
                              recompute-MODE"
                         )
@@ -189,6 +199,7 @@ impl FromStr for Layout {
             microbatches: m.unwrap_or(pp),
             recompute: recompute.unwrap_or_default(),
             zero: zero.unwrap_or(0),
+            ep: ep.unwrap_or(1),
         })
     }
 }
@@ -237,9 +248,27 @@ impl Candidate {
 /// Every layout of exactly `workers` workers for `base`'s model and batch: each
 /// factorisation `dp × pp × tp`, each generated schedule (interleaved with 2, 4 and 8
 /// virtual stages, as long as every stage gets a layer), and microbatches of 1 to 64
-/// sequences that divide a replica's batch, at least `pp` of them; without memory savers
-/// ([`plan`] adds them where needed).
+/// sequences that divide a replica's batch, at least `pp` of them; for a model with
+/// experts, each expert-parallel degree that divides the replicas and the experts;
+/// without memory savers ([`plan`] adds them where needed).
 pub fn layouts<M: Model>(base: &TrainConfig<M>, workers: usize) -> Vec<Layout> {
+    let mut out = Vec::new();
+    let experts = base.model.experts();
+    for l in dense_layouts(base, workers) {
+        let eps: Vec<usize> = match experts {
+            0 => vec![1],
+            e => divisors(l.dp)
+                .into_iter()
+                .filter(|ep| e.is_multiple_of(*ep))
+                .collect(),
+        };
+        out.extend(eps.into_iter().map(|ep| Layout { ep, ..l.clone() }));
+    }
+    out
+}
+
+/// [`layouts`] without expert parallelism.
+fn dense_layouts<M: Model>(base: &TrainConfig<M>, workers: usize) -> Vec<Layout> {
     let layers = base.model.costs(base.seq_len).blocks.len();
     let mut out = Vec::new();
     for dp in divisors(workers) {
@@ -272,6 +301,7 @@ pub fn layouts<M: Model>(base: &TrainConfig<M>, workers: usize) -> Vec<Layout> {
                             microbatches: m,
                             recompute: Recompute::None,
                             zero: 0,
+                            ep: 1,
                         });
                     }
                 }
@@ -415,6 +445,7 @@ mod tests {
             "dp4 pp1 tp1 1f1b m1",
             "dp1 pp2 tp2 zb-h1 m8 recompute-full",
             "dp2 pp1 tp1 1f1b m2 zero1 recompute-selective",
+            "dp4 pp1 tp1 1f1b m2 ep2 zero1",
         ] {
             let l: Layout = text.parse().unwrap();
             assert_eq!(l.to_string(), text);
@@ -430,6 +461,7 @@ mod tests {
             "recompute-some",
             "recompute-full recompute-none",
             "dp2 zero1 zero2",
+            "dp2 ep0",
         ] {
             assert!(bad.parse::<Layout>().is_err(), "{bad}");
         }
@@ -496,5 +528,33 @@ mod tests {
         assert!(timed
             .iter()
             .any(|c| matches!(c.verdict, Verdict::TooBig { peak } if peak > budget)));
+    }
+
+    #[test]
+    fn a_model_with_experts_is_planned_at_every_expert_parallel_degree() {
+        let dense = layouts(&base(), 4);
+        assert!(dense.iter().all(|l| l.ep == 1));
+        let mut b = base();
+        b.model.moe.experts = 2;
+        let all = layouts(&b, 4);
+        // dp 4: ep 1 and 2 (2 experts: not 4); dp 2: ep 1 and 2; dp 1: ep 1.
+        for want in [
+            "dp4 pp1 tp1 1f1b m1 ep2",
+            "dp2 pp1 tp2 1f1b m2 ep2",
+            "dp4 pp1 tp1 1f1b m1",
+        ] {
+            assert!(all.iter().any(|l| l.to_string() == want), "{want}");
+        }
+        assert!(!all.iter().any(|l| l.ep == 4));
+        assert_eq!(
+            all.len(),
+            dense.len() + dense.iter().filter(|l| l.dp > 1).count()
+        );
+        // Spreading the experts takes memory off every replica.
+        let peak = |text: &str| {
+            let l: Layout = text.parse().unwrap();
+            memory_only(&b, &l, None).peak_bytes()
+        };
+        assert!(peak("dp4 pp1 tp1 1f1b m1 ep2") < peak("dp4 pp1 tp1 1f1b m1"));
     }
 }

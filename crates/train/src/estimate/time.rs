@@ -49,6 +49,17 @@
 //!   shows (the step's first gather is not counted). After the pipeline, stage 2
 //!   all-gathers the updated parameters (`R` in buckets) instead of the all-reduce;
 //!   stage 3 nothing.
+//! * **Expert parallelism** (`--ep e`): each mixture of experts exchanges its tokens'
+//!   `x = n · k · d · 4` bytes ([`Model::expert_exchange`]) with the other replicas of
+//!   its group: in the forward three all-to-alls (the counts, the tokens to their
+//!   experts, the outputs back), in the backward two, each taking `(e − 1) · α` and
+//!   moving `(e − 1)/e` of its bytes at `β` (the data-parallel link): forward
+//!   `3 · (e − 1) · α + 2 · (e − 1)/e · x / β`, backward `2 · (e − 1) · α` plus the same.
+//!   Routing and the experts' compute are in the layer's FLOPs and unchanged by `e`.
+//!   A rank holds `1/e` of its mixtures' experts ([`Model::expert_params`], placed by
+//!   where the mixtures are): the data-parallel all-reduce (or ZeRO's collectives)
+//!   carries the other parameters, and the experts' gradients are all-reduced after the
+//!   pipeline over the `dp / e` replicas that hold the same experts.
 //! * **Pipeline messages**: every send and every receive of the lowered program takes
 //!   `P(n · w · 4) / 2`, `P(x) = α_p + x / β_p` the measured one-way time of a message
 //!   (a send and its receive together).
@@ -228,6 +239,9 @@ pub struct StepTime {
     pub compute_s: f64,
     /// That rank's tensor-parallel all-reduces.
     pub tp_comm_s: f64,
+    /// That rank's expert-parallel all-to-alls (`--ep`).
+    #[serde(default)]
+    pub ep_comm_s: f64,
     /// That rank's pipeline sends and receives.
     pub p2p_s: f64,
     /// The data-parallel gradient all-reduce (slowest rank).
@@ -325,6 +339,33 @@ pub fn predict_step_time<M: Model>(
             _ => (0.0, 0.0, 0.0),
         }
     };
+    // Expert parallelism: each mixture's all-to-alls over `ep` replicas, one microbatch:
+    // (forward, backward).
+    let exchange = m.expert_exchange();
+    let expert_comm = |p: &StagePlan| {
+        let ep = cfg.ep.max(1) as f64;
+        let per_token: Vec<usize> = p
+            .blocks
+            .clone()
+            .filter_map(|i| exchange.get(i).copied())
+            .filter(|&x| x > 0)
+            .collect();
+        if ep <= 1.0 || per_token.is_empty() {
+            return (0.0, 0.0);
+        }
+        let (mixtures, bytes) = (
+            per_token.len() as f64,
+            tokens * 4.0 * per_token.iter().sum::<usize>() as f64,
+        );
+        let (alpha, volume) = (
+            (ep - 1.0) * dp_link.alpha_s,
+            2.0 * (ep - 1.0) / ep * bytes / dp_link.bytes_per_s,
+        );
+        (
+            3.0 * mixtures * alpha + volume,
+            2.0 * mixtures * alpha + volume,
+        )
+    };
     let phi = tm.forward_fraction;
     let parts =
         |p: &StagePlan| (p.blocks.len() + usize::from(p.embed) + usize::from(p.head)) as f64;
@@ -351,6 +392,9 @@ pub fn predict_step_time<M: Model>(
                 fwd += 2.0 * all_reduce(tokens * 4.0);
                 bwd += all_reduce(activation);
             }
+            let (f_a2a, b_a2a) = expert_comm(p);
+            fwd += f_a2a;
+            bwd += b_a2a;
             let (mut gf, gb, sb) = zero_comm(p);
             // What runs on communication threads during the backward hides behind the
             // same backward, once: ZeRO 3's prefetched gathers, and the reduce-scatters
@@ -410,7 +454,11 @@ pub fn predict_step_time<M: Model>(
     let timeline = simulate_by_stage(&program, &stage_costs)?;
     // Per pipeline rank: compute, tp all-reduces, parameters.
     let mb = cfg.microbatches as f64;
-    let ranks: Vec<(f64, f64, f64, f64)> = (0..program.num_ranks() as u32)
+    // Expert parallelism: the experts' parameters, spread over `ep` replicas and summed
+    // over the `dp / ep` that hold the same ones.
+    let (ep, expert_params) = (cfg.ep.max(1), m.expert_params() as f64);
+    let mixtures = exchange.iter().filter(|&&x| x > 0).count().max(1) as f64;
+    let ranks: Vec<(f64, f64, f64, f64, f64)> = (0..program.num_ranks() as u32)
         .map(|r| {
             let mine = program.stages_of_rank(r);
             let sum = |f: &dyn Fn(usize) -> f64| mine.iter().map(|&s| f(s as usize)).sum::<f64>();
@@ -421,11 +469,28 @@ pub fn predict_step_time<M: Model>(
             } else {
                 0.0
             };
+            // The experts by where their mixtures are (a replica holds `1/ep` of
+            // them), the rest by the rank's share of the FLOPs.
+            let mixtures_here = sum(&|s| {
+                plans[s]
+                    .blocks
+                    .clone()
+                    .filter(|&i| exchange.get(i).is_some_and(|&x| x > 0))
+                    .count() as f64
+            });
+            let experts = expert_params * mixtures_here / mixtures / cfg.tp as f64;
+            let dense = (params - expert_params) * share / cfg.tp as f64;
+            // Without expert parallelism they are summed with the rest.
+            let (n, apart) = match ep {
+                1 => (dense + experts, 0.0),
+                _ => (dense, experts / ep as f64),
+            };
             (
                 mb * sum(&|s| stages[s].0 * (1.0 + again * phi)),
                 mb * sum(&|s| stages[s].1 * (1.0 + again) + stages[s].2),
-                params * share / cfg.tp as f64,
+                n,
                 tensors * share,
+                apart,
             )
         })
         .collect();
@@ -449,7 +514,7 @@ pub fn predict_step_time<M: Model>(
         .max_by(|&a, &b| timeline.ranks[a].busy.total_cmp(&timeline.ranks[b].busy))
         .unwrap_or(0);
     let bucket = (cfg.bucket_mib * 1024.0 * 1024.0).max(4.0);
-    let after = |n: f64, k: f64, (blocks, window, tied): (f64, f64, bool)| {
+    let after = |n: f64, k: f64, experts: f64, (blocks, window, tied): (f64, f64, bool)| {
         let bytes = 4.0 * n;
         // Each bucket pays the latency; together they move the bytes once. ZeRO 2
         // all-gathers the updated parameters after the pipeline (its reduce-scatters ran
@@ -482,15 +547,26 @@ pub fn predict_step_time<M: Model>(
             2 => half(bytes, buckets(bytes)),
             _ => 0.0,
         };
+        // The experts (resident, whole under ZeRO) after the pipeline, over the
+        // replicas that hold the same ones.
+        let edp = cfg.dp / ep;
+        let experts_sum = match edp > 1 && experts > 0.0 {
+            true => {
+                let latency = dp_link.all_reduce(0.0, edp);
+                let x = 4.0 * experts;
+                buckets(x) * latency + (dp_link.all_reduce(x, edp) - latency)
+            }
+            false => 0.0,
+        };
         (
-            dp,
-            n * tm.optimizer_s_per_param + k * tm.optimizer_s_per_tensor,
+            dp + experts_sum,
+            (n + experts) * tm.optimizer_s_per_param + k * tm.optimizer_s_per_tensor,
         )
     };
     let slowest = ranks
         .iter()
         .zip(&overlap)
-        .map(|(r, &o)| after(r.2, r.3, o))
+        .map(|(r, &o)| after(r.2, r.3, r.4, o))
         .max_by(|a, b| (a.0 + a.1).total_cmp(&(b.0 + b.1)))
         .unwrap_or((0.0, 0.0));
     let gather = if cfg.world_size() > 1 {
@@ -499,12 +575,28 @@ pub fn predict_step_time<M: Model>(
         0.0
     };
     let pipeline_s = timeline.makespan;
+    // Of the busiest rank's collectives in its stages, the all-to-alls.
+    let again = if cfg.recompute == Recompute::Full {
+        1.0
+    } else {
+        0.0
+    };
+    let ep_comm_s = mb
+        * program
+            .stages_of_rank(busiest as u32)
+            .iter()
+            .map(|&s| {
+                let (f, b) = expert_comm(&plans[s as usize]);
+                f * (1.0 + again) + b
+            })
+            .sum::<f64>();
     let overhead_s = tm.step_overhead_s + if shared { tm.world_overhead_s } else { 0.0 };
     Ok(StepTime {
         seconds: pipeline_s + slowest.0 + slowest.1 + gather + overhead_s,
         pipeline_s,
         compute_s: ranks.get(busiest).map_or(0.0, |r| r.0),
-        tp_comm_s: ranks.get(busiest).map_or(0.0, |r| r.1),
+        tp_comm_s: ranks.get(busiest).map_or(0.0, |r| r.1) - ep_comm_s,
+        ep_comm_s,
         p2p_s: timeline.ranks.get(busiest).map_or(0.0, |r| r.comm),
         dp_allreduce_s: slowest.0,
         optimizer_s: slowest.1,

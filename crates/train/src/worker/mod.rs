@@ -31,7 +31,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor, TensorId, Var};
-use switchyard_comm::{Communicator, Mesh};
+use switchyard_comm::{Communicator, Mesh, Spans, Timed};
 use switchyard_mem::Category;
 use switchyard_models::{plan_stages, Model};
 use switchyard_pipeline::{CheckedProgram, Stage, StepStats};
@@ -74,6 +74,22 @@ pub struct StepMetrics {
     /// What the model counted ([`switchyard_models::Model::step_metrics`]), summed over
     /// the job (one rank of each tensor-parallel group), by name.
     pub model: Vec<(String, f64)>,
+    /// The collectives the layers made on the expert group (`--ep`: a mixture's
+    /// all-to-alls, forward and backward), in call order.
+    pub expert_comm: Vec<CommSpan>,
+}
+
+/// One collective of a step, for the trace.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CommSpan {
+    /// The operation (`"all_to_all"`, …).
+    pub op: &'static str,
+    /// Start, in microseconds since the worker's epoch.
+    pub start_us: f64,
+    /// Duration, the wait for the peers included.
+    pub dur_us: f64,
+    /// The bytes it concerned (as `switchyard_comm::Traffic` counts them).
+    pub bytes: usize,
 }
 
 /// The error of a step that found a non-finite loss or gradient.
@@ -107,6 +123,8 @@ pub struct Worker<'a, M: Model> {
     /// `--ep` with more replicas than one expert group: the replicas that hold the same
     /// experts as this one, over which the experts' gradients are summed.
     edp: Option<Arc<dyn Communicator>>,
+    /// `--ep`: what the expert group's collectives recorded (for the trace).
+    expert_spans: Option<Spans>,
     /// Each tied parameter this rank holds whose copies live on other pipeline ranks
     /// too: its index and the group of the ranks that hold a copy.
     tied: Vec<(usize, Arc<dyn Communicator>)>,
@@ -150,10 +168,13 @@ impl<'a, M: Model> Worker<'a, M> {
         // same `r % ep` hold the same experts (the "edp" group, which sums their
         // gradients; none when every replica is in one expert group). Every rank takes
         // part in both splits of its data-parallel group.
-        let mut edp = None;
+        let (mut edp, mut expert_spans) = (None, None);
         if cfg.ep > 1 {
             let r = mesh.coord.dp;
-            store.set_expert_group(Some(mesh.dp.split_named(r / cfg.ep, r, "ep")?));
+            // Timed: the layers' all-to-alls show in the trace.
+            let (group, spans) = Timed::wrap(mesh.dp.split_named(r / cfg.ep, r, "ep")?);
+            store.set_expert_group(Some(group));
+            expert_spans = Some(spans);
             let group = mesh.dp.split_named(r % cfg.ep, r, "edp")?;
             edp = (group.world_size() > 1).then_some(group);
         }
@@ -300,6 +321,7 @@ impl<'a, M: Model> Worker<'a, M> {
             owned,
             expert,
             edp,
+            expert_spans,
             tied,
             units,
             prefetcher,
@@ -323,6 +345,24 @@ impl<'a, M: Model> Worker<'a, M> {
                 true => dp < self.cfg.ep,
                 false => dp == 0,
             }
+    }
+
+    /// The expert group's collectives since the last call, timed from the epoch.
+    fn expert_comm(&self) -> Vec<CommSpan> {
+        let Some(spans) = &self.expert_spans else {
+            return Vec::new();
+        };
+        let us = |t: Instant| t.saturating_duration_since(self.epoch).as_secs_f64() * 1e6;
+        spans
+            .take()
+            .into_iter()
+            .map(|s| CommSpan {
+                op: s.op,
+                start_us: us(s.start),
+                dur_us: s.dur.as_secs_f64() * 1e6,
+                bytes: s.bytes,
+            })
+            .collect()
     }
 
     /// Times in traces are measured from `epoch`.
@@ -398,12 +438,15 @@ impl<'a, M: Model> Worker<'a, M> {
     /// One full training step (see the module docs). Collective over the world.
     pub fn step(&mut self, step: usize) -> Result<std::result::Result<StepMetrics, NonFinite>> {
         let t0 = Instant::now();
+        // What validation or a test's extra pass recorded is not this step's.
+        self.expert_spans.iter().for_each(|s| drop(s.take()));
         let hooks = match (&self.units, &self.overlap) {
             (Some(_), _) => Hooks::Zero,
             (None, Some(_)) => Hooks::Overlap,
             (None, None) => Hooks::Plain,
         };
         let pass = self.run_pipeline(step, hooks)?;
+        let expert_comm = self.expert_comm();
         let (mut grads, losses, exec) = (pass.grads, pass.losses, pass.stats);
         let counted = self.model_metrics();
         // ZeRO: this replica's shard of every bucket, summed over the replicas.
@@ -565,6 +608,7 @@ impl<'a, M: Model> Worker<'a, M> {
             val_loss: None,
             grad_reduce,
             model,
+            expert_comm,
         }))
     }
 }

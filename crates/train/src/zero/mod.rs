@@ -185,10 +185,19 @@ impl Layout {
         dp: usize,
         rank: usize,
     ) -> Layout {
-        let is_whole = |g: &[usize]| g.iter().any(|&i| whole.get(i).copied().unwrap_or(false));
+        let is_whole = |i: &usize| whole.get(*i).copied().unwrap_or(false);
         let buckets = groups
             .into_iter()
-            .map(|g| match is_whole(&g) {
+            .map(|g| {
+                // A bucket summed over the replicas must not hold a parameter that differs
+                // between them, nor the other way round.
+                assert!(
+                    g.iter().all(is_whole) || !g.iter().any(is_whole),
+                    "ZeRO layout: a group mixes expert and other parameters: {g:?}"
+                );
+                g
+            })
+            .map(|g| match g.iter().any(is_whole) {
                 true => Bucket::new(g, sizes, 1, 0),
                 false => Bucket::new(g, sizes, dp, rank),
             })

@@ -350,3 +350,48 @@ fn zero_two_reduce_scatters_on_their_thread_hide_but_not_under_a_split_backward(
     assert!(at(true, "1f1b") < at(false, "1f1b"));
     assert_eq!(at(true, "zb-h1"), at(false, "zb-h1"));
 }
+
+#[test]
+fn expert_parallelism_adds_its_all_to_alls() {
+    // 4 blocks, a mixture in blocks 1 and 3 (8 experts, top 2), on dp 2 without a
+    // pipeline: the step is microbatch after microbatch, so ep 2 adds exactly each
+    // microbatch's all-to-alls: per mixture 5 latencies and twice the bytes each way.
+    let mut c = cfg(2, 1, 1);
+    c.model.moe = switchyard_models::MoeConfig {
+        experts: 8,
+        every: 2,
+        ..Default::default()
+    };
+    let one = predict_step_time(&c, &tm()).unwrap();
+    c.ep = 2;
+    let two = predict_step_time(&c, &tm()).unwrap();
+    let tokens = (c.microbatch_size() * c.seq_len) as f64;
+    let bytes = tokens * 4.0 * (2 * c.model.d_model) as f64;
+    let per_microbatch = 2.0 * (5.0 * 1e-3 + 2.0 * 2.0 * 0.5 * bytes / 1e9);
+    let want = c.microbatches as f64 * per_microbatch;
+    assert!(
+        (two.ep_comm_s - want).abs() < 1e-12,
+        "{} vs {want}",
+        two.ep_comm_s
+    );
+    assert_eq!(one.ep_comm_s, 0.0);
+    let added = two.pipeline_s - one.pipeline_s;
+    assert!((added - want).abs() < 1e-9, "{added} vs {want}");
+    assert!((two.tp_comm_s - one.tp_comm_s).abs() < 1e-12);
+    // Each replica holds half the experts: the all-reduce over the replicas carries the
+    // rest (dp 2 = ep 2: no other replica holds the same experts).
+    let shapes = c.model.param_shapes();
+    let elems = |f: &dyn Fn(&str) -> bool| -> f64 {
+        shapes
+            .iter()
+            .filter(|(n, _)| f(n))
+            .map(|(_, s)| s.iter().product::<usize>() as f64)
+            .sum()
+    };
+    let experts = elems(&|n| n.contains(".mlp.experts."));
+    assert_eq!(c.model.expert_params() as f64, experts);
+    assert!(
+        two.dp_allreduce_s < one.dp_allreduce_s,
+        "{two:?} vs {one:?}"
+    );
+}
