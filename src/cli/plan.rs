@@ -418,12 +418,15 @@ fn explain(
                     .map(|m| format!(", MFU {:.1} %", 100.0 * m))
                     .unwrap_or_default()
             );
+            let experts = match t.ep_comm_s > 0.0 {
+                true => format!(", expert all-to-alls {:.1}", t.ep_comm_s * 1e3),
+                false => String::new(),
+            };
             println!(
-                "    pipeline {:.1} ms (compute {:.1}, tensor-parallel all-reduces {:.1}, expert all-to-alls {:.1}, messages {:.1}; bubble {:.1} %), data-parallel all-reduce {:.1} ms, optimizer {:.1} ms, fixed cost {:.1} ms",
+                "    pipeline {:.1} ms (compute {:.1}, tensor-parallel all-reduces {:.1}{experts}, messages {:.1}; bubble {:.1} %), data-parallel all-reduce {:.1} ms, optimizer {:.1} ms, fixed cost {:.1} ms",
                 t.pipeline_s * 1e3,
                 t.compute_s * 1e3,
                 t.tp_comm_s * 1e3,
-                t.ep_comm_s * 1e3,
                 t.p2p_s * 1e3,
                 100.0 * t.bubble_fraction,
                 t.dp_allreduce_s * 1e3,

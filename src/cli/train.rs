@@ -58,10 +58,11 @@ pub struct TrainArgs {
     pub zero: Option<u8>,
     /// The whole layout in one: `auto` (the fastest that `switchyard plan` finds fitting
     /// --workers and the memory budget) or its text form, such as "dp2 pp2 tp1 1f1b m8"
-    /// (add "recompute-full" or "recompute-selective" for activation recomputation)
+    /// (add "recompute-full" or "recompute-selective" for activation recomputation, "ep2"
+    /// for expert parallelism)
     #[arg(long, value_name = "auto|LAYOUT",
-          conflicts_with_all = ["dp", "pp", "tp", "schedule", "microbatches", "virtual_stages",
-                                "recompute"])]
+          conflicts_with_all = ["dp", "pp", "tp", "ep", "schedule", "microbatches",
+                                "virtual_stages", "recompute"])]
     pub layout: Option<String>,
     /// Workers for --layout auto (default: 4); `switchyard plan` plans for this many
     #[arg(long)]

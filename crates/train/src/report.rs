@@ -445,7 +445,10 @@ fn gather_events<M: Model>(worker: &Worker<M>, steps: &[StepMetrics]) -> Result<
     rows.extend(reduce::trace_rows(me, steps));
     for s in steps {
         for c in &s.expert_comm {
-            let op = EXPERT_OPS.iter().position(|o| *o == c.op).unwrap_or(0);
+            // (Every collective `Timed` records is in the list.)
+            let Some(op) = EXPERT_OPS.iter().position(|o| *o == c.op) else {
+                continue;
+            };
             rows.extend([
                 me,
                 s.step as f64,

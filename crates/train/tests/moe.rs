@@ -66,11 +66,13 @@ fn switch_routing_a_capacity_limit_narrow_experts_and_no_balancing_loss_match() 
         let mut c = moe(dp, pp, tp, s);
         c.model.moe.capacity_factor = 0.5;
         cases.push(c);
-        // No balancing loss, and the router z-loss instead (large, to weigh in the
+        // No balancing loss; and the router z-loss instead (large, to weigh in the
         // gradients).
-        let mut c = moe(dp, pp, tp, s);
-        (c.model.moe.aux_loss_coef, c.model.moe.z_loss_coef) = (0.0, 0.1);
-        cases.push(c);
+        for z in [0.0, 0.1] {
+            let mut c = moe(dp, pp, tp, s);
+            (c.model.moe.aux_loss_coef, c.model.moe.z_loss_coef) = (0.0, z);
+            cases.push(c);
+        }
         // Experts narrower than the dense MLP (24 wide, not 64).
         let mut c = moe(dp, pp, tp, s);
         c.model.moe.ffn_hidden = 24;

@@ -320,6 +320,14 @@ pub fn predict_step_time<M: Model>(
     // ZeRO's collectives over the data-parallel replicas: a reduce-scatter or an
     // all-gather of `bytes` in `calls` pieces is half a ring all-reduce, each piece
     // paying the latency.
+    // Expert parallelism: the experts' parameters, spread over `ep` replicas and summed
+    // over the `dp / ep` that hold the same ones; ZeRO keeps them whole and resident
+    // (none of its collectives carries them).
+    let (ep, expert_params) = (cfg.ep.max(1), m.expert_params() as f64);
+    let sharded = match ep {
+        1 => params,
+        _ => params - expert_params,
+    };
     let dp_link = tm.dp_collective.unwrap_or(tm.collective);
     let half = |bytes: f64, calls: f64| {
         let latency = dp_link.all_reduce(0.0, cfg.dp);
@@ -330,7 +338,7 @@ pub fn predict_step_time<M: Model>(
     // and before its backward.
     // Returns (forward's gathers, backward's gathers, backward's reduce-scatters).
     let zero_comm = |p: &StagePlan| {
-        let bytes = 4.0 * params * flops(p) / total_flops.max(f64::MIN_POSITIVE) / cfg.tp as f64;
+        let bytes = 4.0 * sharded * flops(p) / total_flops.max(f64::MIN_POSITIVE) / cfg.tp as f64;
         let segments = p.blocks.len().max(1) as f64;
         let one = half(bytes, segments);
         match cfg.zero {
@@ -454,10 +462,7 @@ pub fn predict_step_time<M: Model>(
     let timeline = simulate_by_stage(&program, &stage_costs)?;
     // Per pipeline rank: compute, tp all-reduces, parameters.
     let mb = cfg.microbatches as f64;
-    // Expert parallelism: the experts' parameters, spread over `ep` replicas and summed
-    // over the `dp / ep` that hold the same ones.
-    let (ep, expert_params) = (cfg.ep.max(1), m.expert_params() as f64);
-    let mixtures = exchange.iter().filter(|&&x| x > 0).count().max(1) as f64;
+    let mixtures = exchange.iter().filter(|&&x| x > 0).count() as f64;
     let ranks: Vec<(f64, f64, f64, f64, f64)> = (0..program.num_ranks() as u32)
         .map(|r| {
             let mine = program.stages_of_rank(r);
@@ -478,7 +483,11 @@ pub fn predict_step_time<M: Model>(
                     .filter(|&i| exchange.get(i).is_some_and(|&x| x > 0))
                     .count() as f64
             });
-            let experts = expert_params * mixtures_here / mixtures / cfg.tp as f64;
+            // (A model that does not say where its mixtures are: by the FLOPs too.)
+            let experts = match mixtures > 0.0 {
+                true => expert_params * mixtures_here / mixtures / cfg.tp as f64,
+                false => expert_params * share / cfg.tp as f64,
+            };
             let dense = (params - expert_params) * share / cfg.tp as f64;
             // Without expert parallelism they are summed with the rest.
             let (n, apart) = match ep {
@@ -595,7 +604,7 @@ pub fn predict_step_time<M: Model>(
         seconds: pipeline_s + slowest.0 + slowest.1 + gather + overhead_s,
         pipeline_s,
         compute_s: ranks.get(busiest).map_or(0.0, |r| r.0),
-        tp_comm_s: ranks.get(busiest).map_or(0.0, |r| r.1) - ep_comm_s,
+        tp_comm_s: (ranks.get(busiest).map_or(0.0, |r| r.1) - ep_comm_s).max(0.0),
         ep_comm_s,
         p2p_s: timeline.ranks.get(busiest).map_or(0.0, |r| r.comm),
         dp_allreduce_s: slowest.0,
