@@ -432,12 +432,12 @@ fn experts_are_stored_only_where_they_are_computed() {
 }
 
 /// The real step (bucketed, overlapped, ZeRO's sharded update, the global norm with
-/// clipping always on) trains the reference's curve with the experts stored apart.
+/// clipping always on) trains the reference's 20-step curve within 1e-4 with the
+/// experts stored apart, at ep 2 and 4.
 #[test]
 fn experts_stored_apart_train_the_reference_curve_with_every_optimizer() {
     let mut base = moe(4, 1, 1, "1f1b");
     base.grad_clip = 0.05;
-    base.steps = 12;
     let want = reference_curve(&base);
     for (tp, ep, zero, overlap) in [
         (1, 2, 0, true),
