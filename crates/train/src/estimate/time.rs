@@ -249,9 +249,11 @@ pub fn predict_step_time<M: Model>(
     let parts =
         |p: &StagePlan| (p.blocks.len() + usize::from(p.embed) + usize::from(p.head)) as f64;
     // Per stage: (compute, tp forward, tp backward) of one microbatch.
+    let a2a: Vec<(f64, f64)> = plans.iter().map(expert_comm).collect();
     let stages: Vec<(f64, f64, f64)> = plans
         .iter()
-        .map(|p| {
+        .zip(&a2a)
+        .map(|(p, &(f_a2a, b_a2a))| {
             let k = parts(p);
             let x = tokens * flops(p) / (cfg.tp as f64 * k);
             let compute = k * tm.part_seconds(m.width(), x, threads, shared);
@@ -271,7 +273,6 @@ pub fn predict_step_time<M: Model>(
                 fwd += 2.0 * all_reduce(tokens * 4.0);
                 bwd += all_reduce(activation);
             }
-            let (f_a2a, b_a2a) = expert_comm(p);
             fwd += f_a2a;
             bwd += b_a2a;
             let (mut gf, gb, sb) = zero_comm(p);
@@ -455,20 +456,18 @@ pub fn predict_step_time<M: Model>(
         0.0
     };
     let pipeline_s = timeline.makespan;
-    // Of the busiest rank's collectives in its stages, the all-to-alls.
-    let again = if cfg.recompute == Recompute::Full {
-        1.0
+    // Of the busiest rank's collectives in its stages, the all-to-alls (a recomputed
+    // forward's once more).
+    let forwards = if cfg.recompute == Recompute::Full {
+        2.0
     } else {
-        0.0
+        1.0
     };
     let ep_comm_s = mb
         * program
             .stages_of_rank(busiest as u32)
             .iter()
-            .map(|&s| {
-                let (f, b) = expert_comm(&plans[s as usize]);
-                f * (1.0 + again) + b
-            })
+            .map(|&s| a2a[s as usize].0 * forwards + a2a[s as usize].1)
             .sum::<f64>();
     let overhead_s = tm.step_overhead_s + if shared { tm.world_overhead_s } else { 0.0 };
     Ok(StepTime {

@@ -296,9 +296,15 @@ impl<'a, M: Model> Worker<'a, M> {
         let dp = self.mesh.coord.dp;
         self.owned[i]
             && match self.expert[i] {
-                true => dp < self.cfg.ep,
+                true => self.in_first_expert_group(),
                 false => dp == 0,
             }
+    }
+
+    /// Whether this replica is in the first expert group (`dp < ep`), whose ranks hold
+    /// one copy of every expert between them.
+    fn in_first_expert_group(&self) -> bool {
+        self.mesh.coord.dp < self.cfg.ep
     }
 
     /// The expert group's collectives since the last call, timed from the epoch.
@@ -452,7 +458,7 @@ impl<'a, M: Model> Worker<'a, M> {
                 // Every replica adds the squares of its own shard: together, each
                 // element once (an expert's whole bucket: on one expert group).
                 let counted: Vec<bool> = (0..self.params.len())
-                    .map(|i| self.owned[i] && (!self.expert[i] || self.mesh.coord.dp < self.cfg.ep))
+                    .map(|i| self.owned[i] && (!self.expert[i] || self.in_first_expert_group()))
                     .collect();
                 let (sq, bad) = zero::shard_norm(&o.layout, &s, &counted)?;
                 shards = Some(s);
