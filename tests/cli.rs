@@ -728,6 +728,19 @@ fn a_layout_in_one_flag_or_chosen_by_the_planner_trains() {
     ])));
     let twice = switchyard(&strs(&args(&["--layout", "pp2", "--recompute", "full"])));
     assert_eq!(twice.status.code(), Some(2));
+    // So are sequence parallelism and ZeRO: the layout's word, not a flag beside it.
+    let o = switchyard(&strs(&args(&["--layout", "tp2 1f1b m1 sp"])));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("tp 2 (sequence parallel)"), "{err}");
+    for (layout, flag) in [
+        ("tp2 m1", vec!["--sequence-parallel"]),
+        ("dp2 m1", vec!["--zero", "1"]),
+    ] {
+        let mut a = vec!["--layout", layout];
+        a.extend(flag);
+        assert_eq!(switchyard(&strs(&args(&a))).status.code(), Some(2), "{a:?}");
+    }
     let o = switchyard(&strs(&args(&["--layout", "auto", "--workers", "2"])));
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(o.status.success(), "{err}");

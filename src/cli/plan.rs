@@ -348,6 +348,7 @@ fn row_json(
     serde_json::json!({
         "layout": c.layout.to_string(),
         "dp": c.layout.dp, "pp": c.layout.pp, "tp": c.layout.tp, "ep": c.layout.ep,
+        "sequence_parallel": c.layout.sequence_parallel,
         "schedule": c.layout.schedule.to_string(),
         "microbatches": c.layout.microbatches,
         "verdict": verdict,

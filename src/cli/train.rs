@@ -59,10 +59,10 @@ pub struct TrainArgs {
     /// The whole layout in one: `auto` (the fastest that `switchyard plan` finds fitting
     /// --workers and the memory budget) or its text form, such as "dp2 pp2 tp1 1f1b m8"
     /// (add "recompute-full" or "recompute-selective" for activation recomputation, "ep2"
-    /// for expert parallelism)
+    /// for expert parallelism, "sp" for sequence parallelism, "zero1" for ZeRO)
     #[arg(long, value_name = "auto|LAYOUT",
           conflicts_with_all = ["dp", "pp", "tp", "ep", "schedule", "microbatches",
-                                "virtual_stages", "recompute"])]
+                                "virtual_stages", "recompute", "zero", "sequence_parallel"])]
     pub layout: Option<String>,
     /// Workers for --layout auto (default: 4); `switchyard plan` plans for this many
     #[arg(long)]
@@ -462,9 +462,10 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
             cfg.dp,
             cfg.pp,
             cfg.tp,
-            match cfg.ep {
-                1 => String::new(),
-                ep => format!(" (experts over ep {ep})"),
+            match (cfg.ep, cfg.sequence_parallel && cfg.tp > 1) {
+                (1, false) => String::new(),
+                (1, true) => " (sequence parallel)".to_string(),
+                (ep, _) => format!(" (experts over ep {ep})"),
             },
             cfg.schedule,
             cfg.microbatches,

@@ -62,12 +62,17 @@ simd! {
 /// `(gelu(x), g · gelu′(x))`.
 #[cfg(test)]
 pub(crate) fn portable<T: Float>(x: &[T], g: &[T]) -> (Vec<T>, Vec<T>) {
+    kernel::portable_only(|| simd_build(x, g))
+}
+
+/// [`gelu_kernel`] and [`gelu_grad_kernel`] on one thread, in the build this thread
+/// allows (see [`kernel::portable_only`]): `(gelu(x), g · gelu′(x))`.
+#[cfg(test)]
+pub(crate) fn simd_build<T: Float>(x: &[T], g: &[T]) -> (Vec<T>, Vec<T>) {
     assert_eq!(g.len(), x.len());
     let (mut y, mut dx) = (Uninit::new(x.len()).unwrap(), Uninit::new(x.len()).unwrap());
-    kernel::portable_only(|| {
-        gelu_kernel(x, y.as_mut());
-        gelu_grad_kernel(x, g, dx.as_mut());
-    });
+    gelu_kernel(x, y.as_mut());
+    gelu_grad_kernel(x, g, dx.as_mut());
     // SAFETY: both kernels wrote every element (`x`, `g` and the outputs have one length).
     unsafe { (y.assume_init(), dx.assume_init()) }
 }

@@ -3,9 +3,10 @@
 //!
 //! * [`Float`]: `f32` or `f64`. `f32` uses fast, vectorisable `exp` and `tanh`
 //!   (polynomial, within a few ulp); `f64` uses the standard library's exact functions.
-//! * [`simd!`] compiles a kernel twice, once for AVX-512 (chosen at run time when the CPU
-//!   has it) and once for the baseline target, so the hot loops vectorise 16 lanes wide
-//!   without asking the whole build for `-C target-cpu=native`.
+//! * [`simd!`] compiles a kernel three times, for AVX-512, for AVX2 and FMA (each chosen
+//!   at run time when the CPU has it) and for the baseline target, so the hot loops
+//!   vectorise 16 or 8 lanes wide without asking the whole build for
+//!   `-C target-cpu=native`.
 //! * [`matmul`]: one product on raw slices with the `gemm` crate (AVX-512 through its
 //!   `x86-v4` feature), writing or accumulating into its output, never zero-filling it.
 //! * Output buffers are [`Uninit`]: no zero-fill. A kernel writes them as
@@ -20,10 +21,11 @@ use candle_core::{
 };
 
 /// Whether this CPU runs the AVX-512 variants of the kernels (never under Miri, which
-/// interprets the portable paths only; and never on a thread inside [`portable_only`]).
+/// interprets the portable paths only; and never on a thread inside [`portable_only`] or
+/// [`at_most_avx2`]).
 pub(crate) fn avx512() -> bool {
     #[cfg(test)]
-    if PORTABLE_ONLY.with(|p| p.get()) {
+    if CEILING.with(|c| c.get()) < Ceiling::Best {
         return false;
     }
     static HAS: OnceLock<bool> = OnceLock::new();
@@ -44,23 +46,67 @@ pub(crate) fn avx512() -> bool {
     })
 }
 
-#[cfg(test)]
-thread_local! {
-    static PORTABLE_ONLY: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+/// Whether this CPU runs the AVX2 and FMA variants of the [`simd!`] kernels (on CPUs
+/// without AVX-512; never under Miri, and never inside [`portable_only`]).
+pub(crate) fn avx2() -> bool {
+    #[cfg(test)]
+    if CEILING.with(|c| c.get()) < Ceiling::Avx2 {
+        return false;
+    }
+    static HAS: OnceLock<bool> = OnceLock::new();
+    *HAS.get_or_init(|| {
+        #[cfg(all(target_arch = "x86_64", not(miri)))]
+        {
+            std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")
+        }
+        #[cfg(any(not(target_arch = "x86_64"), miri))]
+        {
+            false
+        }
+    })
 }
 
-/// Runs `f` with the AVX-512 kernels switched off on this thread (not on rayon's), so
-/// that a test can run a kernel's portable twin on an AVX-512 CPU.
+/// The fastest build a test lets this thread's kernels run (the CPU may allow less).
 #[cfg(test)]
-pub(crate) fn portable_only<R>(f: impl FnOnce() -> R) -> R {
-    PORTABLE_ONLY.with(|p| p.set(true));
+#[derive(Clone, Copy, PartialEq, PartialOrd)]
+enum Ceiling {
+    Portable,
+    Avx2,
+    Best,
+}
+
+#[cfg(test)]
+thread_local! {
+    static CEILING: std::cell::Cell<Ceiling> = const { std::cell::Cell::new(Ceiling::Best) };
+}
+
+#[cfg(test)]
+fn with_ceiling<R>(c: Ceiling, f: impl FnOnce() -> R) -> R {
+    CEILING.with(|p| p.set(c));
     let r = f();
-    PORTABLE_ONLY.with(|p| p.set(false));
+    CEILING.with(|p| p.set(Ceiling::Best));
     r
 }
 
+/// Runs `f` with the AVX-512 and AVX2 kernels switched off on this thread (not on
+/// rayon's), so that a test can run a kernel's portable twin on any CPU.
+#[cfg(test)]
+pub(crate) fn portable_only<R>(f: impl FnOnce() -> R) -> R {
+    with_ceiling(Ceiling::Portable, f)
+}
+
+/// Runs `f` with the AVX-512 kernels switched off on this thread (not on rayon's): the
+/// AVX2 builds of the [`simd!`] kernels run where the CPU has AVX2 and FMA.
+#[cfg(test)]
+pub(crate) fn at_most_avx2<R>(f: impl FnOnce() -> R) -> R {
+    with_ceiling(Ceiling::Avx2, f)
+}
+
 /// Defines a kernel generic over [`Float`] that runs an AVX-512 build of its body when the
-/// CPU supports it. Everything the body calls must be `#[inline(always)]` to share it.
+/// CPU supports it, else an AVX2 and FMA build (8 lanes: most x86 CPUs without AVX-512,
+/// such as AMD's before Zen 4), else the baseline one. Everything the body calls must be
+/// `#[inline(always)]` to share it. The builds round alike: element-wise code is not
+/// reassociated, and an explicit `mul_add` is one rounding with or without FMA.
 macro_rules! simd {
     ($(#[$m:meta])* $vis:vis fn $name:ident<$T:ident>($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)? $body:block) => {
         $(#[$m])*
@@ -76,9 +122,20 @@ macro_rules! simd {
                 body::<$T>($($arg),*)
             }
             #[cfg(target_arch = "x86_64")]
+            #[target_feature(enable = "avx2,fma")]
+            #[allow(clippy::too_many_arguments)]
+            unsafe fn v3<$T: $crate::kernel::Float>($($arg: $ty),*) $(-> $ret)? {
+                body::<$T>($($arg),*)
+            }
+            #[cfg(target_arch = "x86_64")]
             if $crate::kernel::avx512() {
                 // SAFETY: the CPU supports every feature `v4` is compiled for.
                 return unsafe { v4::<$T>($($arg),*) };
+            }
+            #[cfg(target_arch = "x86_64")]
+            if $crate::kernel::avx2() {
+                // SAFETY: the CPU supports every feature `v3` is compiled for.
+                return unsafe { v3::<$T>($($arg),*) };
             }
             body::<$T>($($arg),*)
         }

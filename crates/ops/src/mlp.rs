@@ -86,7 +86,8 @@ pub struct PairOptions {
     pub input_again: Option<Regather>,
 }
 
-/// Rows that a deferred weight product reads, owned (copied out of the backward).
+/// Rows that a deferred weight product reads, owned (copied out of the backward, or
+/// moved when the backward made them).
 enum Owned<T> {
     Full(Vec<T>),
     Half(Vec<bf16>),
@@ -97,6 +98,14 @@ impl<T: Copy> Owned<T> {
         match h {
             Held::Full(x) => Owned::Full(x.to_vec()),
             Held::Half(x) => Owned::Half(x.to_vec()),
+        }
+    }
+
+    /// `half` when there is one, else `full`: [`Held::of`], moved.
+    fn moved(full: Vec<T>, half: Option<Vec<bf16>>) -> Self {
+        match half {
+            Some(h) => Owned::Half(h),
+            None => Owned::Full(full),
         }
     }
 
@@ -483,7 +492,11 @@ impl Pair {
         let half = halve_held(prec, g_in);
         let gh = g_in.or_half(half.as_deref());
         let g = &g[..];
-        let db2 = sums(self.bias[1], g, out);
+        // A split backward (an `I`) leaves a bias's sums to the `W` where the rows it
+        // keeps for it are the rows summed (not rounded to bf16 since): less for `I`,
+        // which the previous stage waits for.
+        let late_db2 = defer.is_some() && half.is_none() && self.bias[1];
+        let db2 = sums(self.bias[1] && !late_db2, g, out);
         // Split (an `I`): what `dW2` reads, copied for the `W`.
         let (dw2, deferred2) = match defer {
             None => (
@@ -516,8 +529,9 @@ impl Pair {
                     }
                     None => gelu_backward(&pre, &dh)?,
                 };
-                let db1 = sums(self.bias[0], &dpre, n1);
                 let half = halve_at(prec, &dpre);
+                let late = defer.is_some() && half.is_none();
+                let db1 = sums(self.bias[0] && !late, &dpre, n1);
                 // With a bf16 copy, only it is read from here on: the f32 one is freed.
                 let dpre = if half.is_some() { Vec::new() } else { dpre };
                 (dpre, half, db1)
@@ -525,11 +539,29 @@ impl Pair {
             (None, None) => bail!("{n}: the pre-activation was not widened"),
         };
         drop(dh);
-        let dpre = Held::of(&dpre, half.as_deref());
+        let late_db1 = defer.is_some() && half.is_none() && self.bias[0] && db1.is_none();
+        let reduce = self.opts.reduce_input_grad.as_ref();
+        let dx = input_grad(
+            x,
+            Held::of(&dpre, half.as_deref()),
+            w1s,
+            ld1,
+            d,
+            n1,
+            reduce,
+            prec,
+        )?;
         let dw1 = match (defer, deferred2) {
             (Some(q), Some((g2, h2, db2))) => {
-                let (d1, x1) = (Owned::of(dpre), Owned::of(xs));
+                // `dpre` is this backward's own: moved, not copied.
+                let (d1, x1) = (Owned::moved(dpre, half), Owned::of(xs));
                 q.defer(Box::new(move || {
+                    let late = |on: bool, rows: Held<T>, width: usize| -> Result<Option<Vec<T>>> {
+                        on.then(|| widened(rows).map(|r| column_sums(&r, width)))
+                            .transpose()
+                    };
+                    let db1 = db1.or(late(late_db1, d1.held(), n1)?);
+                    let db2 = db2.or(late(late_db2, g2.held(), out)?);
                     let dw1 = affine_weight_grad(d1.held(), x1.held(), d, n1, ld1, db1, prec)?;
                     let dw2 = affine_weight_grad(g2.held(), h2.held(), mid, out, ld2, db2, prec)?;
                     Ok(vec![
@@ -539,10 +571,16 @@ impl Pair {
                 }));
                 None
             }
-            _ => Some(affine_weight_grad(dpre, xs, d, n1, ld1, db1, prec)?),
+            _ => Some(affine_weight_grad(
+                Held::of(&dpre, half.as_deref()),
+                xs,
+                d,
+                n1,
+                ld1,
+                db1,
+                prec,
+            )?),
         };
-        let reduce = self.opts.reduce_input_grad.as_ref();
-        let dx = input_grad(x, dpre, w1s, ld1, d, n1, reduce, prec)?;
         let dw1 = dw1.map(|v| kernel::tensor(v, (n1, ld1))).transpose()?;
         let dw2 = dw2.map(|v| kernel::tensor(v, (out, ld2))).transpose()?;
         Ok((dx, dw1, dw2))

@@ -2,13 +2,14 @@
 //!
 //! The portable side always runs (also under Miri, on these small shapes); the AVX-512
 //! side runs where the CPU has it and prints a note where it does not. The kernels that
-//! [`crate::kernel::simd`] compiles twice are run both ways too: the AVX-512 build as
-//! called, the baseline build inside [`portable_only`].
+//! [`crate::kernel::simd`] compiles three times are run every way too: the fastest
+//! build as called, the AVX2 build inside [`at_most_avx2`] (where the CPU has AVX2 and
+//! FMA) and the baseline build inside [`portable_only`].
 
 use std::mem::MaybeUninit;
 
 use crate::attention::{softmax_row_bwd_portable, softmax_row_portable, transpose_portable};
-use crate::kernel::{avx512, exp_f32, portable_only, test_data, Uninit};
+use crate::kernel::{at_most_avx2, avx2, avx512, exp_f32, portable_only, test_data, Uninit};
 
 /// Whether the AVX-512 side runs; prints a note when it does not.
 fn has(what: &str) -> bool {
@@ -80,6 +81,10 @@ fn softmax_rows_match_their_twin_and_f64() {
         let lse = portable_only(|| softmax_row_portable(&mut p, live, SCALE));
         close(&format!("portable {what}"), &p, &want, 1e-6);
         close(&format!("portable {what} lse"), &[lse], &[want_lse], 1e-6);
+        // Its AVX2 build (where the CPU has it) rounds alike.
+        let mut v = s.clone();
+        let l = at_most_avx2(|| softmax_row_portable(&mut v, live, SCALE));
+        assert_eq!((&v, l), (&p, lse), "AVX2 build of the {what}");
         #[cfg(target_arch = "x86_64")]
         if avx {
             let mut a = s.clone();
@@ -116,6 +121,9 @@ fn softmax_row_gradients_match_their_twin_and_f64() {
         portable_only(|| softmax_row_bwd_portable(&mut pp, &mut pd, live, SCALE, lse as f32, dsum));
         close(&format!("portable {what}: P"), &pp, &p, 1e-6);
         close(&format!("portable {what}: dS"), &pd, &ds, 1e-6);
+        let (mut vp, mut vd) = (s.clone(), dp.clone());
+        at_most_avx2(|| softmax_row_bwd_portable(&mut vp, &mut vd, live, SCALE, lse as f32, dsum));
+        assert_eq!((&vp, &vd), (&pp, &pd), "AVX2 build of the {what}");
         #[cfg(target_arch = "x86_64")]
         if avx {
             let (mut ap, mut ad) = (s.clone(), dp.clone());
@@ -194,6 +202,9 @@ fn gelu_and_its_gradient_match_their_twin_and_f64() {
     // Up to f32's cancellation in 1 + tanh for x ≪ 0.
     close("portable GELU", &py, &want_y, 1e-6);
     close("portable GELU gradient", &pd, &want_d, 1e-5);
+    // The AVX2 build of the same kernels (where the CPU has it): the same rounding.
+    let (vy, vd) = at_most_avx2(|| crate::gelu::simd_build(&x, &g));
+    assert_eq!((vy, vd), (py.clone(), pd.clone()), "AVX2 build of GELU");
     #[cfg(target_arch = "x86_64")]
     if avx {
         // SAFETY (both): the CPU has AVX-512 and FMA; the kernels write all n elements.
@@ -236,8 +247,9 @@ fn fast_exp_twins_agree() {
     }
 }
 
-/// The kernels compiled twice by `simd!`: the AVX-512 build (as called) and the
-/// baseline build (inside `portable_only`) against f64 rows.
+/// The kernels compiled three times by `simd!`: the fastest build (as called), the AVX2
+/// build (inside `at_most_avx2`) and the baseline build (inside `portable_only`) against
+/// f64 rows.
 #[test]
 fn simd_builds_of_the_row_kernels_agree_with_f64() {
     let (rows, d) = (3, 37);
@@ -275,7 +287,10 @@ fn simd_builds_of_the_row_kernels_agree_with_f64() {
             want_db[j] += gr[j];
         }
     }
-    for build in ["AVX-512 (where the CPU has it)", "baseline"] {
+    if !avx2() {
+        eprintln!("note: no AVX2 and FMA here (or under Miri): the AVX2 build did not run");
+    }
+    for build in ["fastest (AVX-512 where the CPU has it)", "AVX2", "baseline"] {
         let run = || {
             let mut st = Uninit::new(2 * rows).unwrap();
             let y = written(rows * d, |y| {
@@ -292,6 +307,7 @@ fn simd_builds_of_the_row_kernels_agree_with_f64() {
         };
         let (y, dx, dw, db) = match build {
             "baseline" => portable_only(run),
+            "AVX2" => at_most_avx2(run),
             _ => run(),
         };
         close(&format!("{build} LayerNorm"), &y, &want_y, 1e-5);
@@ -328,6 +344,7 @@ fn simd_builds_of_the_row_kernels_agree_with_f64() {
         };
         let (s, dz) = match build {
             "baseline" => portable_only(run),
+            "AVX2" => at_most_avx2(run),
             _ => run(),
         };
         close(&format!("{build} sum_exp"), &s, &want_s, 1e-6);
@@ -358,6 +375,7 @@ fn simd_builds_of_the_row_kernels_agree_with_f64() {
         };
         let (s, dz) = match build {
             "baseline" => portable_only(run),
+            "AVX2" => at_most_avx2(run),
             _ => run(),
         };
         close(&format!("{build} padded sum_exp"), &s, &want_s, 1e-6);

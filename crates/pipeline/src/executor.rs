@@ -52,6 +52,9 @@ pub struct StepStats {
     pub events: Vec<TraceEvent>,
     /// Time spent in compute actions (`F`, `B`, `I`, `W`).
     pub compute: Duration,
+    /// The same per kind of compute action: its total time and how many ran (kept
+    /// when [`StepStats::events`] is not, for the mean cost of each kind).
+    pub compute_by_op: BTreeMap<Op, (Duration, usize)>,
     /// Time from the start to the end of the step on this rank.
     pub wall: Duration,
 }
@@ -503,6 +506,9 @@ impl<'a> Executor<'a> {
             let t1 = Instant::now();
             if a.op.is_compute() {
                 stats.compute += t1 - t0;
+                let by_op = stats.compute_by_op.entry(a.op).or_default();
+                by_op.0 += t1 - t0;
+                by_op.1 += 1;
             }
             stats.events.push(TraceEvent {
                 action: *a,

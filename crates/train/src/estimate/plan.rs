@@ -5,9 +5,14 @@
 //! with why.
 //!
 //! A layout's text form is `dp2 pp2 tp1 1f1b m8` (`interleaved v2` for two virtual
-//! stages; `ep2` for experts spread over groups of two replicas; `zero1` for ZeRO stage
-//! 1; `recompute-full` or `recompute-selective` for activation recomputation):
-//! [`Layout`] parses and prints it.
+//! stages; `ep2` for experts spread over groups of two replicas; `sp` for sequence
+//! parallelism; `zero1` for ZeRO stage 1; `recompute-full` or `recompute-selective` for
+//! activation recomputation): [`Layout`] parses and prints it.
+//!
+//! With tensor parallelism, each layout is tried with and without sequence parallelism
+//! where the model supports it and the tensor-parallel ranks split the sequence evenly:
+//! it divides the LayerNorms' and the residual stream's activations by `tp` and turns
+//! each all-reduce into an all-gather and a reduce-scatter (both priced by the models).
 //!
 //! A model with experts ([`Model::experts`]) is planned at every expert-parallel degree
 //! that divides both the replicas and the experts: `ep` trades the experts' memory (a
@@ -41,6 +46,8 @@ pub struct Layout {
     pub zero: u8,
     /// Expert parallelism: the replicas a mixture's experts are spread over (1: none).
     pub ep: usize,
+    /// Sequence parallelism over the tensor-parallel axis (only with `tp > 1`).
+    pub sequence_parallel: bool,
 }
 
 impl Layout {
@@ -64,6 +71,7 @@ impl Layout {
             recompute: cfg.recompute,
             zero: cfg.zero,
             ep: cfg.ep.max(1),
+            sequence_parallel: cfg.sequence_parallel && cfg.tp > 1,
         })
     }
 
@@ -82,6 +90,7 @@ impl Layout {
         c.recompute = self.recompute;
         c.zero = self.zero;
         c.ep = self.ep;
+        c.sequence_parallel = self.sequence_parallel;
         c
     }
 
@@ -103,6 +112,9 @@ impl fmt::Display for Layout {
         if self.ep > 1 {
             write!(f, " ep{}", self.ep)?;
         }
+        if self.sequence_parallel {
+            write!(f, " sp")?;
+        }
         if self.zero > 0 {
             write!(f, " zero{}", self.zero)?;
         }
@@ -121,8 +133,15 @@ impl FromStr for Layout {
         let (mut dp, mut pp, mut tp, mut m, mut v) = (None, None, None, None, None);
         let mut ep = None;
         let mut zero = None;
+        let mut sequence_parallel = false;
         let (mut schedule, mut recompute) = (None, None);
         for word in s.split_whitespace() {
+            if word == "sp" {
+                if std::mem::replace(&mut sequence_parallel, true) {
+                    return Err(format!("`{s}`: `sp` given twice"));
+                }
+                continue;
+            }
             if let Some(mode) = word.strip_prefix("recompute-") {
                 let r = mode
                     .parse::<Recompute>()
@@ -174,7 +193,7 @@ impl FromStr for Layout {
                     let kind: ScheduleKind = word.parse().map_err(|_| {
                         format!(
                             "`{s}`: `{word}` is neither an axis (dpN, ppN, tpN, mN, vN, epN), a \
-                             schedule (gpipe, 1f1b, interleaved, zb-h1), zeroN nor \
+                             schedule (gpipe, 1f1b, interleaved, zb-h1), sp, zeroN nor \
                              recompute-MODE"
                         )
                     })?;
@@ -191,15 +210,23 @@ impl FromStr for Layout {
             _ => {}
         }
         let pp = pp.unwrap_or(1);
+        let tp = tp.unwrap_or(1);
+        if sequence_parallel && tp == 1 {
+            return Err(format!(
+                "`{s}`: sp splits the sequence over the tensor-parallel ranks: it needs tpN \
+                 with N > 1"
+            ));
+        }
         Ok(Layout {
             dp: dp.unwrap_or(1),
             pp,
-            tp: tp.unwrap_or(1),
+            tp,
             schedule,
             microbatches: m.unwrap_or(pp),
             recompute: recompute.unwrap_or_default(),
             zero: zero.unwrap_or(0),
             ep: ep.unwrap_or(1),
+            sequence_parallel,
         })
     }
 }
@@ -249,12 +276,22 @@ impl Candidate {
 /// factorisation `dp × pp × tp`, each generated schedule (interleaved with 2, 4 and 8
 /// virtual stages, as long as every stage gets a layer), and microbatches of 1 to 64
 /// sequences that divide a replica's batch, at least `pp` of them; for a model with
-/// experts, each expert-parallel degree that divides the replicas and the experts;
-/// without memory savers ([`plan`] adds them where needed).
+/// experts, each expert-parallel degree that divides the replicas and the experts; with
+/// tensor parallelism, with and without sequence parallelism where the model supports it
+/// and `tp` divides the sequence; without memory savers ([`plan`] adds them where
+/// needed).
 pub fn layouts<M: Model>(base: &TrainConfig<M>, workers: usize) -> Vec<Layout> {
     let mut out = Vec::new();
     let experts = base.model.experts();
+    let splits =
+        |tp: usize| tp > 1 && base.model.sequence_parallel() && base.seq_len.is_multiple_of(tp);
     for l in dense_layouts(base, workers) {
+        if splits(l.tp) {
+            out.push(Layout {
+                sequence_parallel: true,
+                ..l.clone()
+            });
+        }
         let eps: Vec<usize> = match experts {
             0 => vec![1],
             e => divisors(l.dp)
@@ -302,6 +339,7 @@ fn dense_layouts<M: Model>(base: &TrainConfig<M>, workers: usize) -> Vec<Layout>
                             recompute: Recompute::None,
                             zero: 0,
                             ep: 1,
+                            sequence_parallel: false,
                         });
                     }
                 }
@@ -446,6 +484,7 @@ mod tests {
             "dp1 pp2 tp2 zb-h1 m8 recompute-full",
             "dp2 pp1 tp1 1f1b m2 zero1 recompute-selective",
             "dp4 pp1 tp1 1f1b m2 ep2 zero1",
+            "dp1 pp2 tp2 zb-h1 m4 sp recompute-selective",
         ] {
             let l: Layout = text.parse().unwrap();
             assert_eq!(l.to_string(), text);
@@ -462,6 +501,8 @@ mod tests {
             "recompute-full recompute-none",
             "dp2 zero1 zero2",
             "dp2 ep0",
+            "tp2 sp sp",
+            "dp2 sp",
         ] {
             assert!(bad.parse::<Layout>().is_err(), "{bad}");
         }
@@ -546,6 +587,9 @@ mod tests {
             assert!(all.iter().any(|l| l.to_string() == want), "{want}");
         }
         assert!(!all.iter().any(|l| l.ep == 4));
+        // (Mixtures route whole sequences: no sequence parallelism.)
+        assert!(all.iter().all(|l| !l.sequence_parallel));
+        let dense: Vec<&Layout> = dense.iter().filter(|l| !l.sequence_parallel).collect();
         assert_eq!(
             all.len(),
             dense.len() + dense.iter().filter(|l| l.dp > 1).count()
@@ -556,5 +600,37 @@ mod tests {
             memory_only(&b, &l, None).peak_bytes()
         };
         assert!(peak("dp4 pp1 tp1 1f1b m1 ep2") < peak("dp4 pp1 tp1 1f1b m1"));
+    }
+
+    #[test]
+    fn tensor_parallel_layouts_are_planned_with_and_without_sequence_parallelism() {
+        let b = base();
+        let all = layouts(&b, 4);
+        // Every layout with tp > 1 twice, once with `sp`; none without tensor parallelism.
+        let with_tp = all.iter().filter(|l| l.tp > 1 && !l.sequence_parallel);
+        let split = all.iter().filter(|l| l.sequence_parallel).count();
+        assert_eq!(with_tp.count(), split);
+        assert!(split > 0);
+        assert!(all.iter().all(|l| !l.sequence_parallel || l.tp > 1));
+        for want in ["dp1 pp1 tp4 1f1b m1 sp", "dp2 pp1 tp2 1f1b m1 sp"] {
+            assert!(all.iter().any(|l| l.to_string() == want), "{want}");
+        }
+        // The split takes activation memory off every tensor-parallel rank.
+        let peak = |text: &str| {
+            let l: Layout = text.parse().unwrap();
+            memory_only(&b, &l, None).peak_bytes()
+        };
+        assert!(peak("dp1 pp1 tp4 1f1b m1 sp") < peak("dp1 pp1 tp4 1f1b m1"));
+        // The layout carries it into the trainer's configuration and back.
+        let l: Layout = "dp1 pp1 tp4 1f1b m1 sp".parse().unwrap();
+        let cfg = l.apply(&b);
+        assert!(cfg.sequence_parallel);
+        assert_eq!(Layout::of(&cfg), Some(l));
+        // A sequence that the ranks cannot split evenly is not tried.
+        let odd = TrainConfig {
+            seq_len: 15,
+            ..base()
+        };
+        assert!(layouts(&odd, 4).iter().all(|l| !l.sequence_parallel));
     }
 }

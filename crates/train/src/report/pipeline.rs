@@ -52,19 +52,19 @@ pub(super) const MEANS_WIDTH: usize = 4;
 /// This rank's mean duration of its `F`, `B`, `I` and `W` actions over `steps`, in
 /// microseconds (0 for a kind it never ran).
 fn action_means(steps: &[StepMetrics]) -> [f64; MEANS_WIDTH] {
-    let mut sum = [(0.0, 0usize); MEANS_WIDTH];
-    for e in steps.iter().flat_map(|s| &s.exec.events) {
-        let k = match e.action.op {
-            Op::F => 0,
-            Op::B => 1,
-            Op::I => 2,
-            Op::W => 3,
-            _ => continue,
-        };
-        sum[k].0 += e.dur_us;
-        sum[k].1 += 1;
-    }
-    sum.map(|(t, n)| if n == 0 { 0.0 } else { t / n as f64 })
+    [Op::F, Op::B, Op::I, Op::W].map(|op| {
+        let (t, n) = steps
+            .iter()
+            .filter_map(|s| s.exec.compute_by_op.get(&op))
+            .fold((0.0, 0), |(t, n), (d, k)| {
+                (t + d.as_secs_f64() * 1e6, n + k)
+            });
+        if n == 0 {
+            0.0
+        } else {
+            t / n as f64
+        }
+    })
 }
 
 /// The costs a split backward's run predicts its bubble with: the mean `F`, `I` and `W`
@@ -116,6 +116,8 @@ pub(super) fn median_bubbles(rows: &[f64], width: usize, offset: usize, n: usize
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use super::*;
 
     /// The mean `F`, `I` and `W` over the ranks that ran them, in units of `F`; the
@@ -131,5 +133,41 @@ mod tests {
         let none = [9.0, 9.0, 100.0, 200.0, 0.0, 0.0];
         let d = measured_split_costs(&none, 6, 2);
         assert_eq!((d.f, d.b, d.i, d.w), (1.0, 2.0, 1.0, 1.0));
+    }
+
+    fn step(by_op: &[(Op, u64, usize)]) -> StepMetrics {
+        let mut exec = switchyard_pipeline::StepStats::default();
+        for &(op, ms, n) in by_op {
+            exec.compute_by_op
+                .insert(op, (Duration::from_millis(ms), n));
+        }
+        StepMetrics {
+            step: 0,
+            loss: 0.0,
+            grad_norm: 0.0,
+            lr: 0.0,
+            seconds: 0.0,
+            exec,
+            val_loss: None,
+            grad_reduce: None,
+            model: Vec::new(),
+            expert_comm: Vec::new(),
+        }
+    }
+
+    /// The means come from the per-kind totals the executor keeps, not from the trace's
+    /// events (which a run without `--trace` drops): a split backward's bubble is then
+    /// predicted with its measured `I` and `W` whether or not a trace is written.
+    #[test]
+    fn the_mean_action_times_need_no_trace() {
+        let steps = [
+            step(&[(Op::F, 40, 4), (Op::I, 48, 4), (Op::W, 32, 4)]),
+            step(&[(Op::F, 60, 4), (Op::I, 72, 4), (Op::W, 48, 4)]),
+        ];
+        assert!(steps.iter().all(|s| s.exec.events.is_empty()));
+        assert_eq!(action_means(&steps), [12_500.0, 0.0, 15_000.0, 10_000.0]);
+        let row = action_means(&steps);
+        let costs = measured_split_costs(&row, MEANS_WIDTH, 0);
+        assert_eq!((costs.f, costs.i, costs.w), (1.0, 1.2, 0.8));
     }
 }
