@@ -47,8 +47,9 @@
 //!   attention recomputes its probabilities flash-style instead of storing `(B, H, T, T)`.
 //! * **Fast kernels.** Products go through the `gemm` crate with its AVX-512 kernels,
 //!   writing into uninitialised outputs (the bias placed first, the product accumulated
-//!   onto it); element-wise and row kernels are compiled twice, for AVX-512 (chosen at
-//!   run time) and for the baseline CPU, with a polynomial `exp` that vectorises. Work is
+//!   onto it); element-wise and row kernels are compiled three times, for AVX-512, for
+//!   AVX2 and FMA (each chosen at run time, the same rounding) and for the baseline CPU,
+//!   with a polynomial `exp` that vectorises. Work is
 //!   split over the current rayon pool: a worker's own threads.
 //! * **Exact where it matters.** Softmax and log-sum-exp subtract the row maximum, so
 //!   nothing overflows. `f32` uses the fast `exp` and `tanh` (within a few ulp); `f64`
