@@ -587,6 +587,9 @@ fn report_json_holds_every_ranks_measured_memory() {
     ok(&strs(&args));
     let r: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
     assert_eq!(r["layout"]["pp"], 2);
+    // The layout's text form, as `--layout` takes it.
+    let text = r["layout"]["text"].as_str().unwrap();
+    assert!(text.starts_with("dp1 pp2 tp2 "), "{text}");
     let ranks = r["ranks"].as_array().unwrap();
     assert_eq!(ranks.len(), 4);
     for (i, rank) in ranks.iter().enumerate() {

@@ -535,10 +535,13 @@ fn report_json(
         .collect();
     serde_json::json!({
         "layout": {
-            "dp": cfg.dp, "pp": cfg.pp, "tp": cfg.tp,
+            "dp": cfg.dp, "pp": cfg.pp, "tp": cfg.tp, "ep": cfg.ep,
             "schedule": cfg.schedule.to_string(),
             "microbatches": cfg.microbatches,
             "virtual_stages": cfg.virtual_stages,
+            "zero": cfg.zero,
+            "sequence_parallel": cfg.sequence_parallel && cfg.tp > 1,
+            "text": switchyard_train::estimate::plan::Layout::of(cfg).map(|l| l.to_string()),
         },
         "config": cfg,
         "ranks": ranks,

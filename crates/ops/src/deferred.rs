@@ -7,6 +7,11 @@
 //! products read (the output gradient, the op's input and middle activations) in a job
 //! that [`DeferredWeights::run_oldest`] runs later (the `W`), giving the weights'
 //! gradients. Not split, the op computes everything at once, as without one.
+//!
+//! The weights' gradients are bit for bit those of a whole backward as long as the job
+//! runs on a rayon pool of the `I`'s size: the products and the biases' sums split their
+//! rows by the current pool's threads, and the sums' order follows the split. (The
+//! pipeline executor runs `I` and `W` on the rank's own pool.)
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};

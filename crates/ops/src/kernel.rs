@@ -48,6 +48,7 @@ pub(crate) fn avx512() -> bool {
 
 /// Whether this CPU runs the AVX2 and FMA variants of the [`simd!`] kernels (on CPUs
 /// without AVX-512; never under Miri, and never inside [`portable_only`]).
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(crate) fn avx2() -> bool {
     #[cfg(test)]
     if CEILING.with(|c| c.get()) < Ceiling::Avx2 {

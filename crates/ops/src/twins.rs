@@ -20,6 +20,25 @@ fn has(what: &str) -> bool {
     on
 }
 
+/// Whether the AVX2 builds of the `simd!` kernels run here (else `at_most_avx2` runs
+/// the baseline build, and comparing it with the baseline proves nothing); prints a
+/// note when they do not.
+fn has_avx2(what: &str) -> bool {
+    let on = avx2();
+    if !on {
+        eprintln!("note: {what}: no AVX2 and FMA here (or under Miri): its AVX2 build did not run");
+    }
+    on
+}
+
+/// The same bits, element by element (`==` would let `0.0` and `-0.0` pass).
+fn same_bits(what: &str, a: &[f32], b: &[f32]) {
+    assert_eq!(a.len(), b.len(), "{what}: length");
+    for (i, (x, y)) in a.iter().zip(b).enumerate() {
+        assert_eq!(x.to_bits(), y.to_bits(), "{what}[{i}]: {x} vs {y}");
+    }
+}
+
 /// `got` within `tol · (1 + |want|)` of `want`, element by element.
 fn close(what: &str, got: &[f32], want: &[f64], tol: f64) {
     assert_eq!(got.len(), want.len(), "{what}: length");
@@ -70,6 +89,7 @@ fn softmax_ref(s: &[f32], live: usize) -> (Vec<f64>, f64) {
 #[test]
 fn softmax_rows_match_their_twin_and_f64() {
     let avx = has("softmax rows");
+    has_avx2("softmax rows");
     for (n, live) in ROWS {
         let s: Vec<f32> = test_data(n, n as u64 + 7, 4.0)
             .iter()
@@ -84,7 +104,8 @@ fn softmax_rows_match_their_twin_and_f64() {
         // Its AVX2 build (where the CPU has it) rounds alike.
         let mut v = s.clone();
         let l = at_most_avx2(|| softmax_row_portable(&mut v, live, SCALE));
-        assert_eq!((&v, l), (&p, lse), "AVX2 build of the {what}");
+        same_bits(&format!("AVX2 build of the {what}"), &v, &p);
+        same_bits(&format!("AVX2 build of the {what}: lse"), &[l], &[lse]);
         #[cfg(target_arch = "x86_64")]
         if avx {
             let mut a = s.clone();
@@ -101,6 +122,7 @@ fn softmax_rows_match_their_twin_and_f64() {
 #[test]
 fn softmax_row_gradients_match_their_twin_and_f64() {
     let avx = has("softmax row gradients");
+    has_avx2("softmax row gradients");
     for (n, live) in ROWS {
         let s: Vec<f32> = test_data(n, n as u64 + 11, 4.0)
             .iter()
@@ -123,7 +145,8 @@ fn softmax_row_gradients_match_their_twin_and_f64() {
         close(&format!("portable {what}: dS"), &pd, &ds, 1e-6);
         let (mut vp, mut vd) = (s.clone(), dp.clone());
         at_most_avx2(|| softmax_row_bwd_portable(&mut vp, &mut vd, live, SCALE, lse as f32, dsum));
-        assert_eq!((&vp, &vd), (&pp, &pd), "AVX2 build of the {what}");
+        same_bits(&format!("AVX2 build of the {what}: P"), &vp, &pp);
+        same_bits(&format!("AVX2 build of the {what}: dS"), &vd, &pd);
         #[cfg(target_arch = "x86_64")]
         if avx {
             let (mut ap, mut ad) = (s.clone(), dp.clone());
@@ -204,7 +227,9 @@ fn gelu_and_its_gradient_match_their_twin_and_f64() {
     close("portable GELU gradient", &pd, &want_d, 1e-5);
     // The AVX2 build of the same kernels (where the CPU has it): the same rounding.
     let (vy, vd) = at_most_avx2(|| crate::gelu::simd_build(&x, &g));
-    assert_eq!((vy, vd), (py.clone(), pd.clone()), "AVX2 build of GELU");
+    has_avx2("GELU");
+    same_bits("AVX2 build of GELU", &vy, &py);
+    same_bits("AVX2 build of GELU's gradient", &vd, &pd);
     #[cfg(target_arch = "x86_64")]
     if avx {
         // SAFETY (both): the CPU has AVX-512 and FMA; the kernels write all n elements.
@@ -287,10 +312,10 @@ fn simd_builds_of_the_row_kernels_agree_with_f64() {
             want_db[j] += gr[j];
         }
     }
-    if !avx2() {
-        eprintln!("note: no AVX2 and FMA here (or under Miri): the AVX2 build did not run");
-    }
+    has_avx2("row kernels");
+    let mut outputs: Vec<Vec<Vec<f32>>> = Vec::new();
     for build in ["fastest (AVX-512 where the CPU has it)", "AVX2", "baseline"] {
+        let mut mine: Vec<Vec<f32>> = Vec::new();
         let run = || {
             let mut st = Uninit::new(2 * rows).unwrap();
             let y = written(rows * d, |y| {
@@ -314,6 +339,7 @@ fn simd_builds_of_the_row_kernels_agree_with_f64() {
         close(&format!("{build} LayerNorm dx"), &dx, &want_dx, 1e-5);
         close(&format!("{build} LayerNorm dw"), &dw, &want_dw, 1e-5);
         close(&format!("{build} LayerNorm db"), &db, &want_db, 1e-5);
+        mine.extend([y, dx, dw, db]);
 
         // Cross-entropy's rows: Σ exp(z − m) and exp(z − lse)·scale.
         let m: Vec<f32> = (0..rows)
@@ -349,6 +375,7 @@ fn simd_builds_of_the_row_kernels_agree_with_f64() {
         };
         close(&format!("{build} sum_exp"), &s, &want_s, 1e-6);
         close(&format!("{build} softmax_scaled"), &dz, &want_dz, 1e-6);
+        mine.extend([s, dz]);
 
         // The same over a slice whose last columns are vocabulary padding: left out of
         // the sums, and a zero gradient.
@@ -385,5 +412,11 @@ fn simd_builds_of_the_row_kernels_agree_with_f64() {
             &want_dz,
             1e-6,
         );
+        mine.extend([s, dz]);
+        outputs.push(mine);
+    }
+    // The AVX2 and baseline builds round alike: the same bits.
+    for (i, (v, b)) in outputs[1].iter().zip(&outputs[2]).enumerate() {
+        same_bits(&format!("AVX2 against baseline, output {i}"), v, b);
     }
 }

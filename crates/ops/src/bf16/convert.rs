@@ -1,5 +1,5 @@
 //! Conversions between f32 and bf16: round to nearest even without branches (so that
-//! loops of it vectorise), and the element loops compiled twice by `simd!` (AVX-512
+//! loops of it vectorise), and the element loops compiled by `simd!` (AVX-512 or AVX2
 //! chosen at run time).
 
 use std::mem::MaybeUninit;
@@ -85,7 +85,8 @@ pub(crate) fn widen(x: &[bf16]) -> Vec<f32> {
     widened::<f32>(x)
 }
 
-// The element loops of the conversions, compiled twice (AVX-512 chosen at run time);
+// The element loops of the conversions, compiled by `simd!` (AVX-512 or AVX2 chosen at
+// run time);
 // `T` is unused (the `simd!` macro's functions are generic over the float type).
 simd! {
     /// `dst[i] = round_to_bf16(src[i])`, sixteen at a time (one AVX-512 vector: the

@@ -408,14 +408,15 @@ impl<M: Model> TrainConfig<M> {
             return Err(err!(
                 Config,
                 "--sequence-parallel: the model \"{}\" does not split its sequence (its \
-                 Model::sequence_parallel is false); leave the flag out",
+                 Model::sequence_parallel is false); leave the flag (or `sp` in --layout) out",
                 M::NAME
             ));
         }
         if !self.seq_len.is_multiple_of(self.tp) {
             return Err(err!(
                 Config,
-                "--sequence-parallel splits the sequence over the tensor-parallel ranks, but \
+                "--sequence-parallel (`sp` in --layout) splits the sequence over the \
+                 tensor-parallel ranks, but \
                  --seq-len {} does not divide by --tp {}: use a --seq-len that is a multiple \
                  of {}",
                 self.seq_len,
