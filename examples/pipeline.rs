@@ -37,6 +37,7 @@ fn main() -> anyhow::Result<()> {
             ScheduleKind::Interleaved { virtual_stages: 2 },
         ),
         ("ZB-H1", ScheduleKind::ZbH1),
+        ("ZB-H2", ScheduleKind::ZbH2),
     ];
 
     println!("== 1. Simulated: p = {P} ranks, m = {M} microbatches, F = 1, B = 2, I = W = 1\n");
@@ -70,6 +71,12 @@ fn main() -> anyhow::Result<()> {
                 )
             }
             ScheduleKind::ZbH1 => ((p - 1.0) / (3.0 * m + p - 1.0), vec![P.min(M) as u32; P]),
+            // With I = W, no faster than ZB-H1; more activations held (it pays where
+            // I costs more than W, chapter 2).
+            ScheduleKind::ZbH2 => (
+                (p - 1.0) / (3.0 * m + p - 1.0),
+                vec![(2 * P - 1).min(M) as u32; P],
+            ),
         };
         ensure!(
             (tl.bubble_fraction - bubble).abs() < 1e-12,

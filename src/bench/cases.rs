@@ -50,6 +50,8 @@ pub fn cases(p: &Preset) -> Vec<Case> {
         // The schedules that promise smaller bubbles, against the row above (issue 17):
         // their measured bubbles side by side with 1F1B's.
         case("pp 2 zb-h1", 1, 2, 1, 1, ScheduleKind::ZbH1, m),
+        // ZB-H2: the bubble ZB-H1 leaves, bought with activations (2p − 1 microbatches).
+        case("pp 2 zb-h2", 1, 2, 1, 1, ScheduleKind::ZbH2, m),
         // Activation recomputation, against the row above (issue 16: `full` at most
         // 1.4 ×, `selective` at most 1.1 × its time).
         Case {

@@ -14,7 +14,7 @@ use switchyard_train::MAX_SCHEDULE_PAIRS;
 
 #[derive(Args)]
 pub struct ScheduleArgs {
-    /// gpipe, 1f1b, interleaved or zb-h1
+    /// gpipe, 1f1b, interleaved, zb-h1 or zb-h2
     #[arg(long, default_value = "1f1b")]
     kind: String,
     /// Pipeline ranks

@@ -36,7 +36,7 @@ pub struct TrainArgs {
     /// mixture's experts over themselves (all-to-all); divides --dp and --experts
     #[arg(long)]
     pub ep: Option<usize>,
-    /// gpipe, 1f1b, interleaved (2 virtual stages unless --virtual-stages), zb-h1, or
+    /// gpipe, 1f1b, interleaved (2 virtual stages unless --virtual-stages), zb-h1, zb-h2, or
     /// the path of a CSV schedule (one row per pipeline rank: `0,0F0,0F1,0B0,0B1`;
     /// `./NAME` for a file named like a schedule)
     #[arg(long)]

@@ -31,6 +31,7 @@ fn kinds() -> Vec<ScheduleKind> {
         ScheduleKind::Interleaved { virtual_stages: 2 },
         ScheduleKind::Interleaved { virtual_stages: 4 },
         ScheduleKind::ZbH1,
+        ScheduleKind::ZbH2,
     ]
 }
 

@@ -13,7 +13,7 @@ use crate::generate::ScheduleKind;
 /// hand-written schedule in the CSV format of [`Program::load_csv`](crate::Program::load_csv).
 ///
 /// The text form (what a `--schedule` flag or a configuration file holds) is a kind's
-/// name (`gpipe`, `1f1b`, `interleaved` or `interleaved:V`, `zb-h1`, and their aliases,
+/// name (`gpipe`, `1f1b`, `interleaved` or `interleaved:V`, `zb-h1`, `zb-h2`, and their aliases,
 /// in any case) or a path. Text that names a kind is that kind; other text is a path if
 /// it looks like one — it has a `/`, a `\` or a `.` (an extension, or `./`) — and
 /// otherwise an error that lists the kinds. So a file named like a kind is written
@@ -104,7 +104,7 @@ impl FromStr for ScheduleChoice {
                     Ok(ScheduleChoice::File(PathBuf::from(text)))
                 } else {
                     Err(ScheduleError::Parse(format!(
-                        "unknown schedule {s:?}: expected gpipe, 1f1b, interleaved, zb-h1, or \
+                        "unknown schedule {s:?}: expected gpipe, 1f1b, interleaved, zb-h1, zb-h2, or \
                          the path of a CSV schedule such as mine.csv (a file named without a \
                          `.` or `/` is written ./{text})"
                     )))
@@ -170,6 +170,8 @@ mod tests {
             ("interleaved:3", Interleaved { virtual_stages: 3 }),
             ("zb-h1", ZbH1),
             ("zb", ZbH1),
+            ("zb-h2", ZbH2),
+            ("ZBH2", ZbH2),
         ] {
             assert_eq!(parse(text), ScheduleChoice::Named(kind), "{text}");
         }

@@ -12,7 +12,7 @@
 //! lives here, where it can be generated, checked and looked at without a
 //! GPU:
 //!
-//! * [`generate`] builds GPipe, 1F1B, interleaved 1F1B and ZB-H1 programs;
+//! * [`generate`] builds GPipe, 1F1B, interleaved 1F1B, ZB-H1 and ZB-H2 programs;
 //!   [`Program::load_csv`] reads a hand-written one, and a [`ScheduleChoice`]
 //!   names either (`1f1b`, or `mine.csv`) as a trainer's setting;
 //! * [`lower`] inserts sends and receives, ordered so that the program
@@ -73,7 +73,7 @@ mod validate;
 pub use action::{tag, Action, Op};
 pub use choice::ScheduleChoice;
 pub use error::{Result, ScheduleError, Stuck};
-pub use generate::{generate, gpipe, interleaved, one_f_one_b, zb_h1, ScheduleKind};
+pub use generate::{generate, gpipe, interleaved, one_f_one_b, zb_h1, zb_h2, ScheduleKind};
 pub use lower::{lower, lower_with_costs};
 pub use program::Program;
 pub use render::{

@@ -130,6 +130,7 @@ fn naive_lowering_of_every_schedule_is_caught_or_safe() {
         ScheduleKind::GPipe,
         ScheduleKind::OneFOneB,
         ScheduleKind::ZbH1,
+        ScheduleKind::ZbH2,
     ] {
         let raw = generate(kind, 4, 8).unwrap();
         let naive = naive_lower(&raw);
@@ -276,6 +277,7 @@ fn generator_errors_say_what_to_change() {
         ScheduleKind::GPipe,
         ScheduleKind::OneFOneB,
         ScheduleKind::ZbH1,
+        ScheduleKind::ZbH2,
     ] {
         assert!(generate(kind, 0, 1).is_err());
         assert!(generate(kind, 1, 0).is_err());

@@ -34,6 +34,7 @@ fn cases() -> Vec<(&'static str, &'static str, ScheduleKind, Costs)> {
             },
         ),
         ("zb-h1", "ZB-H1", ScheduleKind::ZbH1, d),
+        ("zb-h2", "ZB-H2", ScheduleKind::ZbH2, d),
     ]
 }
 

@@ -4,7 +4,7 @@
 
 use switchyard_schedule::{
     generate, gpipe, interleaved, lower, lower_with_costs, one_f_one_b, simulate,
-    simulate_by_stage, validate, zb_h1, Costs, Op, Program, ScheduleKind, Timeline,
+    simulate_by_stage, validate, zb_h1, zb_h2, Costs, Op, Program, ScheduleKind, Timeline,
 };
 
 const TOL: f64 = 1e-12;
@@ -18,6 +18,7 @@ fn all_cases() -> Vec<(ScheduleKind, usize, usize)> {
                 ScheduleKind::GPipe,
                 ScheduleKind::OneFOneB,
                 ScheduleKind::ZbH1,
+                ScheduleKind::ZbH2,
             ] {
                 cases.push((kind, p, m));
             }
@@ -224,6 +225,51 @@ fn zb_h1_beats_1f1b_with_the_same_memory() {
             let bound = *ob.peak_activations().iter().max().unwrap();
             assert_eq!(bound as usize, p.min(m), "{ctx}");
             assert_eq!(zb.peak_activations(), vec![bound; p], "{ctx}");
+        }
+    }
+}
+
+/// ZB-H2 spends activations on the bubble: every rank holds at most `2p − 1`
+/// microbatches (counted until their `W`), and with an `I` dearer than a `W` (the
+/// CPU's measured ratio) it is never slower than ZB-H1, and faster once there are
+/// microbatches for its extra warm-up forwards.
+#[test]
+fn zb_h2_trades_activations_for_the_bubble() {
+    let costs = Costs {
+        i: 1.2,
+        w: 0.9,
+        ..Costs::default()
+    };
+    for p in 1..=8usize {
+        for m in 1..=32usize {
+            let ctx = format!("p={p} m={m}");
+            let program = zb_h2(p, m).unwrap();
+            assert!(
+                program.ranks.iter().flatten().all(|a| a.op != Op::B),
+                "{ctx}"
+            );
+            let h2 = simulate(&program, &costs).unwrap();
+            let h1 = simulate(&zb_h1(p, m).unwrap(), &costs).unwrap();
+            let bound = (2 * p - 1).min(m) as u32;
+            assert!(
+                h2.peak_activations().iter().all(|&a| a <= bound),
+                "{ctx}: {:?}",
+                h2.peak_activations()
+            );
+            assert!(
+                h2.makespan <= h1.makespan + TOL,
+                "{ctx}: {} vs {}",
+                h2.makespan,
+                h1.makespan
+            );
+            if p >= 2 && m >= 2 * p {
+                assert!(
+                    h2.makespan < h1.makespan,
+                    "{ctx}: {} vs {}",
+                    h2.makespan,
+                    h1.makespan
+                );
+            }
         }
     }
 }

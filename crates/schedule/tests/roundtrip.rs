@@ -15,6 +15,7 @@ fn samples() -> Vec<Program> {
                 ScheduleKind::GPipe,
                 ScheduleKind::OneFOneB,
                 ScheduleKind::ZbH1,
+                ScheduleKind::ZbH2,
             ] {
                 out.push(generate(kind, p, m).unwrap());
             }
@@ -231,6 +232,7 @@ fn kinds_and_formats_parse() {
         ScheduleKind::GPipe,
         ScheduleKind::OneFOneB,
         ScheduleKind::ZbH1,
+        ScheduleKind::ZbH2,
         ScheduleKind::Interleaved { virtual_stages: 4 },
     ] {
         assert_eq!(k.to_string().parse::<ScheduleKind>().unwrap(), k);
@@ -247,7 +249,7 @@ fn kinds_and_formats_parse() {
     );
     assert_eq!(
         "pipedream".parse::<ScheduleKind>().unwrap_err().to_string(),
-        "unknown schedule \"pipedream\": expected gpipe, 1f1b, interleaved or zb-h1"
+        "unknown schedule \"pipedream\": expected gpipe, 1f1b, interleaved, zb-h1 or zb-h2"
     );
     assert_eq!("SVG".parse::<Format>().unwrap(), Format::Svg);
     assert!("png".parse::<Format>().is_err());

@@ -59,7 +59,7 @@ pub const LAYOUTS: [(usize, usize, usize); 10] = [
 pub fn schedules(pp: usize) -> &'static [&'static str] {
     match pp {
         1 => &["1f1b"],
-        _ => &["gpipe", "1f1b", "interleaved", "zb-h1"],
+        _ => &["gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2"],
     }
 }
 

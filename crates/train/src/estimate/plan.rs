@@ -193,7 +193,7 @@ impl FromStr for Layout {
                     let kind: ScheduleKind = word.parse().map_err(|_| {
                         format!(
                             "`{s}`: `{word}` is neither an axis (dpN, ppN, tpN, mN, vN, epN), a \
-                             schedule (gpipe, 1f1b, interleaved, zb-h1), sp, zeroN nor \
+                             schedule (gpipe, 1f1b, interleaved, zb-h1, zb-h2), sp, zeroN nor \
                              recompute-MODE"
                         )
                     })?;
@@ -321,7 +321,7 @@ fn dense_layouts<M: Model>(base: &TrainConfig<M>, workers: usize) -> Vec<Layout>
                             .filter(|&v| v == 2 || pp * v <= layers)
                             .map(|virtual_stages| ScheduleKind::Interleaved { virtual_stages }),
                     )
-                    .chain([ScheduleKind::ZbH1])
+                    .chain([ScheduleKind::ZbH1, ScheduleKind::ZbH2])
                     .collect(),
             };
             let per_replica = base.batch / dp.max(1);
