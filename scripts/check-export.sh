@@ -14,8 +14,13 @@ fi
 
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
-bin=target/release/switchyard
-cargo build --release --quiet
+# SWITCHYARD_BIN: a switchyard binary already built (CI's one release build); else the
+# release build of this checkout.
+bin="${SWITCHYARD_BIN:-}"
+if [ -z "$bin" ]; then
+    bin=target/release/switchyard
+    cargo build --release --quiet
+fi
 data=crates/train/data/kjv-genesis-ruth.txt
 "$bin" train --d-model 32 --layers 2 --heads 4 --tied --steps 20 --quiet --checkpoint-dir "$work/ckpt" >/dev/null
 "$bin" export --checkpoint "$work/ckpt" --out "$work/model.safetensors"

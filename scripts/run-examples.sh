@@ -4,23 +4,31 @@
 # need mpirun and are skipped. Each example checks what it demonstrates and exits
 # non-zero if something is wrong; this script stops at the first failure.
 #
-#   scripts/run-examples.sh            # release build (what CI runs)
-#   scripts/run-examples.sh --debug    # the dev profile
+#   scripts/run-examples.sh              # release build
+#   scripts/run-examples.sh --debug      # the dev profile
+#   scripts/run-examples.sh --no-build   # the release examples already built (what CI
+#                                        # runs, after its one release build)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 profile=release
 flag=--release
-if [[ "${1:-}" == "--debug" ]]; then
+build=1
+case "${1:-}" in
+--debug)
     profile=debug
     flag=
-fi
+    ;;
+--no-build) build=0 ;;
+esac
 
-echo "== build (${profile})"
-# shellcheck disable=SC2086
-cargo build $flag --examples
-# shellcheck disable=SC2086
-cargo build $flag -p switchyard-schedule --example schedule
+if [[ $build == 1 ]]; then
+    echo "== build (${profile})"
+    # shellcheck disable=SC2086
+    cargo build $flag --examples
+    # shellcheck disable=SC2086
+    cargo build $flag -p switchyard-schedule --example schedule
+fi
 
 target="${CARGO_TARGET_DIR:-target}/${profile}/examples"
 out="$(mktemp -d)"

@@ -11,9 +11,11 @@ use switchyard_train::data::{self, Corpus, DataSpec, Dataset, TokenWidth};
 use switchyard_train::optim::Decay;
 mod file;
 mod moe;
+mod report;
 
 use file::{load_file, model_of, FileOnly};
 use moe::MoeArgs;
+use report::{precision_note, report_json};
 use switchyard_train::{
     train, train_rank, DeviceSpec, Resume, TrainConfig, TrainError, TrainOptions,
 };
@@ -462,7 +464,7 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
             cfg.dp,
             cfg.pp,
             cfg.tp,
-            match (cfg.ep, cfg.sequence_parallel && cfg.tp > 1) {
+            match (cfg.ep, cfg.splits_sequence()) {
                 (1, false) => String::new(),
                 (1, true) => " (sequence parallel)".to_string(),
                 (ep, _) => format!(" (experts over ep {ep})"),
@@ -509,46 +511,6 @@ pub fn run(a: TrainArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The end report as `--report-json` writes it.
-fn report_json(
-    cfg: &TrainConfig<GptConfig>,
-    report: &switchyard_train::TrainReport,
-) -> serde_json::Value {
-    let mesh = cfg.mesh();
-    let ranks: Vec<serde_json::Value> = (0..cfg.world_size())
-        .map(|r| {
-            let c = mesh.coord(r);
-            let pipe = report.pipeline.iter().find(|p| p.pp_rank == c.pp);
-            let mem = report.memory.iter().find(|m| m.rank == r);
-            serde_json::json!({
-                "rank": r,
-                "coords": { "dp": c.dp, "pp": c.pp, "tp": c.tp },
-                "peak_bytes": mem.map(|m| m.peak_bytes),
-                "peak_rss_bytes": mem.and_then(|m| m.peak_rss_bytes),
-                "bytes_by_category": mem.map(|m| &m.bytes_by_category),
-                "predicted_peak_bytes": mem.and_then(|m| m.predicted_peak_bytes),
-                "bubble_measured": pipe.map(|p| p.bubble_measured),
-                "bubble_predicted": pipe.map(|p| p.bubble_predicted),
-                "tokens_per_s": report.tokens_per_s,
-            })
-        })
-        .collect();
-    serde_json::json!({
-        "layout": {
-            "dp": cfg.dp, "pp": cfg.pp, "tp": cfg.tp, "ep": cfg.ep,
-            "schedule": cfg.schedule.to_string(),
-            "microbatches": cfg.microbatches,
-            "virtual_stages": cfg.virtual_stages,
-            "zero": cfg.zero,
-            "sequence_parallel": cfg.sequence_parallel && cfg.tp > 1,
-            "text": switchyard_train::estimate::plan::Layout::of(cfg).map(|l| l.to_string()),
-        },
-        "config": cfg,
-        "ranks": ranks,
-        "report": report,
-    })
-}
-
 /// One rank of an `mpirun` job; rank 0 gets the report. A rank whose work fails ends
 /// the whole job through `MPI_Abort` (printing `rank R failed: …`), so that no other
 /// rank waits for it until its timeout.
@@ -584,18 +546,5 @@ fn with_flag_advice(e: TrainError) -> anyhow::Error {
              --d-model, --layers, --heads (and --tied)"
         ),
         e => e.into(),
-    }
-}
-
-/// What the header line says of the precision: nothing at f32; at bf16 the kernel that
-/// multiplies (`amx`, `avx512_bf16`), or that it is emulated on this CPU.
-fn precision_note(p: Precision) -> String {
-    let kernel = switchyard_ops::Bf16Kernel::best();
-    match (p, kernel.is_native()) {
-        (Precision::F32, _) => String::new(),
-        (_, true) => format!(", bf16 products ({kernel})"),
-        (_, false) => {
-            ", bf16 products emulated (this CPU has neither AMX nor AVX-512 BF16: f32 speed)".into()
-        }
     }
 }

@@ -17,6 +17,9 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 
 use candle_core::{Result, Tensor};
+use half::bf16;
+
+use crate::bf16::Held;
 
 /// One op's deferred weight products: the gradients of its weight inputs, in order.
 pub type WeightGradJob = Box<dyn FnOnce() -> Result<Vec<Tensor>> + Send>;
@@ -81,5 +84,36 @@ impl std::fmt::Debug for DeferredWeights {
             .field("split", &s.split)
             .field("pending", &s.jobs.len())
             .finish()
+    }
+}
+
+/// Rows that a deferred weight product reads, owned (copied out of the backward, or
+/// moved when the backward made them).
+pub(crate) enum Owned<T> {
+    Full(Vec<T>),
+    Half(Vec<bf16>),
+}
+
+impl<T: Copy> Owned<T> {
+    pub(crate) fn of(h: Held<T>) -> Self {
+        match h {
+            Held::Full(x) => Owned::Full(x.to_vec()),
+            Held::Half(x) => Owned::Half(x.to_vec()),
+        }
+    }
+
+    /// `half` when there is one, else `full`: [`Held::of`], moved.
+    pub(crate) fn moved(full: Vec<T>, half: Option<Vec<bf16>>) -> Self {
+        match half {
+            Some(h) => Owned::Half(h),
+            None => Owned::Full(full),
+        }
+    }
+
+    pub(crate) fn held(&self) -> Held<'_, T> {
+        match self {
+            Owned::Full(x) => Held::Full(x),
+            Owned::Half(x) => Held::Half(x),
+        }
     }
 }

@@ -1,12 +1,10 @@
 //! Checkpoints: bit-exact resume, resume on other layouts, export and `--init`, crashes
 //! in the middle of a save, corrupt inputs — and that a failed load never changes disk.
 
-mod common;
-
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use common::*;
+use crate::common::*;
 use switchyard_models::GptConfig;
 use switchyard_train::checkpoint::{self, Checkpoint};
 use switchyard_train::data::Corpus;

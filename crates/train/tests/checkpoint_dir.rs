@@ -3,14 +3,12 @@
 //! unwritable directory fails before any work, a failing save names the last good
 //! checkpoint, and a stop request ends every rank after the same step with a checkpoint.
 
-mod common;
-
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
-use common::*;
+use crate::common::*;
 use switchyard_models::GptConfig;
 use switchyard_train::checkpoint::{self, Checkpoint};
 use switchyard_train::data::Corpus;

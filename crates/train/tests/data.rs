@@ -1,9 +1,7 @@
 //! Datasets in training: the validation loss through the parallel model, token files,
 //! sequential sampling.
 
-mod common;
-
-use common::tiny;
+use crate::common::tiny;
 use switchyard_models::GptConfig;
 use switchyard_train::data::{self, Corpus, DataSpec, Dataset};
 use switchyard_train::{train, TrainConfig, TrainOptions};

@@ -6,16 +6,13 @@
 
 use std::str::FromStr;
 
-use switchyard_mem::{Category, Counting};
+use switchyard_mem::Category;
 use switchyard_models::{GptConfig, Precision};
 use switchyard_schedule::ScheduleChoice;
 use switchyard_train::data::Corpus;
 use switchyard_train::estimate::memory::estimate_memory;
 use switchyard_train::testing::{schedules, LAYOUTS};
 use switchyard_train::{train, Recompute, TrainConfig, TrainOptions};
-
-#[global_allocator]
-static ALLOC: Counting<std::alloc::System> = Counting(std::alloc::System);
 
 fn cfg(
     (dp, pp, tp): (usize, usize, usize),

@@ -3,13 +3,9 @@
 //! categories hold what they should: parameters 4 bytes and AdamW's two f64 moments 16
 //! bytes per parameter a rank holds, split by tensor parallelism.
 
-use switchyard_mem::Counting;
 use switchyard_models::{GptConfig, Model};
 use switchyard_train::data::Corpus;
 use switchyard_train::{train, RankMemory, TrainConfig, TrainOptions};
-
-#[global_allocator]
-static ALLOC: Counting<std::alloc::System> = Counting(std::alloc::System);
 
 fn cfg(dp: usize, pp: usize, tp: usize) -> TrainConfig<GptConfig> {
     TrainConfig {

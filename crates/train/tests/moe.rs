@@ -5,9 +5,7 @@
 //! within 1e-5 after a step, and the loss curve within 1e-4 over 20 steps. With a
 //! capacity limit the gradients still match, so every layout dropped the same tokens.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use switchyard_models::{GptConfig, MoeConfig};
 use switchyard_train::data::Corpus;
 use switchyard_train::testing::{schedules, LAYOUTS};

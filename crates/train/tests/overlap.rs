@@ -10,13 +10,11 @@
 //! - no hangs: a replica that fails while the others all-reduce fails them with an error
 //!   that names the all-reduce, the bucket, the rank and the peer.
 
-mod common;
-
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use common::*;
+use crate::common::*;
 use switchyard_comm::local::Launcher;
 use switchyard_comm::{Communicator, Counting};
 use switchyard_models::GptConfig;

@@ -11,9 +11,7 @@
 //! composed twins, the path every non-CPU device takes); the composed path also matches
 //! the fused one directly, and trains the same 20-step curve on a few layouts.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use switchyard_models::GptConfig;
 use switchyard_train::data::Corpus;
 use switchyard_train::testing::{schedules, LAYOUTS};

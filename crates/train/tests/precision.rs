@@ -3,9 +3,7 @@
 //! run of the same global batch, 1e-3 relative on the loss of each of 10 steps, and the
 //! bf16 run to the f32 run within what bf16 rounding explains.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use switchyard_models::Precision;
 use switchyard_train::data::Corpus;
 use switchyard_train::testing::{schedules, LAYOUTS};

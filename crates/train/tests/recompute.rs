@@ -2,9 +2,7 @@
 //! so a step with `--recompute selective` or `full` gives the loss and gradients of
 //! `none`, and trains the same curve.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use switchyard_train::data::Corpus;
 use switchyard_train::testing::{schedules, LAYOUTS};
 use switchyard_train::{train, Recompute, TrainOptions};

@@ -7,9 +7,7 @@
 //! measures the activations it divides, and switchyard-shard's `tests/block.rs` counts a
 //! block's all-gathers and reduce-scatters.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use switchyard_models::GptConfig;
 use switchyard_train::data::Corpus;
 use switchyard_train::testing::{schedules, LAYOUTS};

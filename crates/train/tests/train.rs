@@ -1,11 +1,9 @@
 //! The training loop's outputs and refusals: custom CSV schedules, metrics, traces,
 //! the report, non-finite values and invalid configurations.
 
-mod common;
-
 use std::path::PathBuf;
 
-use common::*;
+use crate::common::*;
 use switchyard_models::GptConfig;
 use switchyard_train::data::Corpus;
 use switchyard_train::{train, TrainOptions};

@@ -11,14 +11,12 @@
 //! - checkpoints: a ZeRO checkpoint resumes without ZeRO on another layout and the other
 //!   way round, continuing the same run.
 
-mod common;
-
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use crate::common::*;
 use candle_core::Tensor;
-use common::*;
 use switchyard_comm::local::Launcher;
 use switchyard_comm::{Communicator, Counting, Traffic};
 use switchyard_models::GptConfig;

@@ -3,9 +3,7 @@
 //! bit, as on the rank's own thread, and no hang when a replica fails. Its traffic is
 //! counted in `tests/zero.rs`.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use switchyard_train::data::Corpus;
 use switchyard_train::{train, TrainConfig, TrainOptions};
 

@@ -10,8 +10,10 @@ use crate::OpsBackend;
 /// (whose contiguous bf16 rows are their own packing), and (not under Miri, which
 /// interprets slowly) blocks of rows larger than one task's.
 fn shapes() -> Vec<(usize, usize, usize)> {
+    // Under Miri (where a 32 × 32 × 32 block of the emulated kernel is the cost) edges
+    // in every dimension, and two blocks of columns and of depths.
     if cfg!(miri) {
-        return vec![(1, 1, 1), (5, 17, 31), (3, 33, 40), (32, 5, 32)];
+        return vec![(5, 17, 31), (3, 33, 40)];
     }
     vec![
         (1, 1, 1),
@@ -79,10 +81,15 @@ fn every_kernel_is_the_product_of_the_bf16_values_summed_in_f32() {
                 "strided a · strided b",
             ),
         ];
-        for (am, bm, form) in layouts {
+        for (i, (am, bm, form)) in layouts.into_iter().enumerate() {
             let want = reference(am, bm, m, n, k);
+            // Under Miri each layout once, writing and accumulating in turn.
+            let modes = match cfg!(miri) {
+                true => vec![i % 2 == 1],
+                false => vec![false, true],
+            };
             for &kernel in &kernels {
-                for accumulate in [false, true] {
+                for &accumulate in &modes {
                     let ld = n + 3;
                     let start = test_data(m * ld, 3, 1.0);
                     let mut dst: Vec<f32> = start.iter().map(|&x| x as f32).collect();

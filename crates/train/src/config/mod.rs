@@ -196,6 +196,12 @@ impl<M> TrainConfig<M> {
         self.dp.saturating_mul(self.pp).saturating_mul(self.tp)
     }
 
+    /// Whether the sequence really is split: [`TrainConfig::sequence_parallel`] with a
+    /// tensor-parallel group to split it over (at `tp 1` the flag changes nothing).
+    pub fn splits_sequence(&self) -> bool {
+        self.sequence_parallel && self.tp > 1
+    }
+
     /// Pipeline stages in all: `pp × virtual stages`.
     pub fn num_stages(&self) -> usize {
         self.pp.saturating_mul(self.virtual_stages)

@@ -138,7 +138,7 @@ pub fn estimate_memory<M: Model>(cfg: &TrainConfig<M>) -> Result<Vec<RankEstimat
     let feet: Vec<Footprint> = plans
         .iter()
         .map(|p| {
-            let sp = cfg.sequence_parallel && cfg.tp > 1;
+            let sp = cfg.splits_sequence();
             cfg.model.footprint(p, cfg.tp, cfg.seq_len, sp)
         })
         .collect::<Result<_, _>>()?;

@@ -159,7 +159,7 @@ pub fn predict_step_time<M: Model>(
     let activation = tokens * m.width().unwrap_or(0) as f64 * 4.0;
     let all_reduce = |bytes: f64| tm.collective.all_reduce(bytes, cfg.tp);
     let width = m.width().unwrap_or(0) as f64 * 4.0;
-    let sequence_parallel = cfg.sequence_parallel && cfg.tp > 1;
+    let sequence_parallel = cfg.splits_sequence();
     // A split backward (`I` and `W`): its segments' gradients are final at `W`.
     let split_backward = program
         .ranks
