@@ -20,6 +20,11 @@ case "${1:-}" in
     flag=
     ;;
 --no-build) build=0 ;;
+"") ;;
+*)
+    echo "usage: scripts/run-examples.sh [--debug | --no-build]" >&2
+    exit 2
+    ;;
 esac
 
 if [[ $build == 1 ]]; then

@@ -402,9 +402,10 @@ mod tests {
         let n = rows * width;
         let (pre, dh) = (values(n, 1), values(n, 2));
         // `portable_only` holds on its own thread: the portable kernels run on one.
-        // Under Miri every case runs the portable kernels: two threads suffice.
+        // Under Miri every case runs the portable kernels: one thread (a task of several
+        // blocks and a short last one) and two (one block a task, at once).
         let cases: &[(usize, bool)] = match cfg!(miri) {
-            true => &[(2, false)],
+            true => &[(1, false), (2, false)],
             false => &[(1, false), (2, false), (1, true)],
         };
         for &(threads, portable) in cases {

@@ -7,8 +7,11 @@ use crate::Precision;
 
 /// The weights of a column-then-row pair, each fused with its bias as a last column
 /// (`[w | b]`, or `w` alone without a bias): built once, for instance once per training
-/// step, and used by any number of [`mlp_with`](super::mlp_with) or [`attention_block_with`](super::attention_block_with) calls (one
+/// step, and used by any number of [`mlp_with`] or [`attention_block_with`] calls (one
 /// per microbatch). Gradients flow back to the original weights and biases.
+///
+/// [`mlp_with`]: super::mlp_with
+/// [`attention_block_with`]: super::attention_block_with
 #[derive(Clone, Debug)]
 pub struct PairWeights {
     /// `[w1 | b1]` and `[w2 | b2]` (f32 and f64 on the CPU), or `w1` and `w2`.
@@ -78,9 +81,12 @@ impl PairWeights {
         self.copied
     }
 
-    /// Whether [`mlp_with`](super::mlp_with) and [`attention_block_with`](super::attention_block_with) run the fused op on `x` with
+    /// Whether [`mlp_with`] and [`attention_block_with`] run the fused op on `x` with
     /// these weights and `opts` (rather than the composed twin, for another backend,
     /// dtype or device).
+    ///
+    /// [`mlp_with`]: super::mlp_with
+    /// [`attention_block_with`]: super::attention_block_with
     pub fn runs_fused(&self, x: &Tensor, opts: &PairOptions) -> bool {
         let half = x.dtype() == DType::BF16 && opts.precision == Precision::Bf16;
         let wt = self.fused[0].dtype();

@@ -407,7 +407,7 @@ impl<M: Model> TrainConfig<M> {
     /// `--sequence-parallel`: a model that splits its sequence, and whole positions on
     /// every tensor-parallel rank.
     fn validate_sequence_parallel(&self) -> Result<(), TrainError> {
-        if !self.sequence_parallel || self.tp == 1 {
+        if !self.splits_sequence() {
             return Ok(());
         }
         if !self.model.sequence_parallel() {
