@@ -118,6 +118,7 @@ impl TimeModel {
             dp_collective: None,
             step_overhead_s: 0.0,
             world_overhead_s: 0.0,
+            cores: Some(threads::available_cores()),
         };
         // A step's fixed costs: what training a model of almost no FLOPs takes beyond
         // what the rest of the model predicts for it, on one worker, then on two.

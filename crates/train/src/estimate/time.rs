@@ -25,6 +25,10 @@
 //!   (shared caches and memory bandwidth, the allocator). Between the calibrated
 //!   widths, `S_t` is interpolated linearly in `log w`; outside them, the nearest
 //!   width's curve is used.
+//! * **Shared cores.** A calibrated model knows the machine's `c` cores
+//!   ([`TimeModel::cores`]). When its `W` workers of `t` threads run more threads than
+//!   that, they take turns: every part, and the optimizer, takes `W · t / c` times as
+//!   long (so that `plan` never promises more FLOP/s than the cores have).
 //! * **Stage `s`**, one microbatch, forward and backward together, on each of the `tp`
 //!   ranks: `C_s = k_s · S_t(n · F_s / (tp · k_s))`, `F_s = Σ_{ℓ∈s} c_ℓ + [first] c_e +
 //!   [last] c_h` and `k_s` the parts the stage runs (its parts taken at their mean size,
@@ -156,6 +160,13 @@ pub fn predict_step_time<M: Model>(
     };
     let tokens = (cfg.microbatch_size() * cfg.seq_len) as f64;
     let shared = cfg.world_size() > 1;
+    // More compute threads than the cores they share: they take turns.
+    let turns = tm
+        .cores
+        .map_or(1.0, |c| {
+            (cfg.world_size() * threads) as f64 / c.max(1) as f64
+        })
+        .max(1.0);
     let activation = tokens * m.width().unwrap_or(0) as f64 * 4.0;
     let all_reduce = |bytes: f64| tm.collective.all_reduce(bytes, cfg.tp);
     let width = m.width().unwrap_or(0) as f64 * 4.0;
@@ -256,7 +267,7 @@ pub fn predict_step_time<M: Model>(
         .map(|(p, &(f_a2a, b_a2a))| {
             let k = parts(p);
             let x = tokens * flops(p) / (cfg.tp as f64 * k);
-            let compute = k * tm.part_seconds(m.width(), x, threads, shared);
+            let compute = turns * k * tm.part_seconds(m.width(), x, threads, shared);
             let layers = p.blocks.len() as f64;
             let mut fwd = 2.0 * layers * all_reduce(activation);
             // Sequence parallelism: an all-gather and a reduce-scatter move an
@@ -441,7 +452,7 @@ pub fn predict_step_time<M: Model>(
         };
         (
             dp + experts_sum,
-            (n + experts) * tm.optimizer_s_per_param + k * tm.optimizer_s_per_tensor,
+            turns * ((n + experts) * tm.optimizer_s_per_param + k * tm.optimizer_s_per_tensor),
         )
     };
     let slowest = ranks

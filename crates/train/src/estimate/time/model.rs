@@ -134,6 +134,11 @@ pub struct TimeModel {
     /// ranks' threads at each collective and message beyond what `α` counts).
     #[serde(default)]
     pub world_overhead_s: f64,
+    /// The cores the workers share (this machine's, calibrated), or `None` when each
+    /// worker has a device of its own (a cluster, [`TimeModel::linear`]). More compute
+    /// threads than cores take turns: every part is slower by `threads / cores`.
+    #[serde(default)]
+    pub cores: Option<usize>,
 }
 
 /// `(intercept, slope)` of the least-squares line through `points` (a horizontal line
@@ -167,6 +172,7 @@ impl TimeModel {
             optimizer_s_per_tensor: 0.0,
             step_overhead_s: 0.0,
             world_overhead_s: 0.0,
+            cores: None,
             p2p: AlphaBeta {
                 alpha_s: 0.0,
                 bytes_per_s: 1e15,

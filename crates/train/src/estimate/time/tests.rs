@@ -61,6 +61,50 @@ fn one_worker_is_its_flops_over_the_rate() {
     assert_eq!(predict_step_time(&two, &flat).unwrap().seconds, s.seconds);
 }
 
+/// More compute threads than cores take turns: each part and the optimizer slow down
+/// by threads / cores, and never speed up when there are cores to spare.
+#[test]
+fn workers_beyond_the_cores_take_turns() {
+    let tm = |cores| TimeModel {
+        optimizer_s_per_param: 1e-9,
+        cores,
+        ..tm()
+    };
+    // 4 replicas (2 sequences, 1 microbatch each), a thread each; 2 threads each.
+    let four = TrainConfig {
+        microbatches: 1,
+        ..cfg(4, 1, 1)
+    };
+    let eight = TrainConfig {
+        threads_per_worker: 2,
+        ..four.clone()
+    };
+    let own = predict_step_time(&four, &tm(None)).unwrap();
+    for (c, cores, turns) in [
+        (&four, 8, 1.0),
+        (&four, 4, 1.0),
+        (&four, 2, 2.0),
+        (&eight, 2, 4.0),
+    ] {
+        let base = predict_step_time(c, &tm(None)).unwrap();
+        let s = predict_step_time(c, &tm(Some(cores))).unwrap();
+        assert!(
+            (s.compute_s - turns * base.compute_s).abs() < 1e-12 * s.compute_s,
+            "{s:?}"
+        );
+        assert!(
+            (s.optimizer_s - turns * base.optimizer_s).abs() < 1e-15,
+            "{s:?}"
+        );
+        assert!(s.optimizer_s > 0.0);
+        // The all-reduce is not compute (a longer backward hides more of it).
+        assert!(s.dp_allreduce_s <= base.dp_allreduce_s, "{s:?}");
+    }
+    // Two threads at full efficiency on 2 cores shared by 4 workers: no faster than one.
+    let shared = predict_step_time(&eight, &tm(Some(2))).unwrap();
+    assert!((shared.compute_s - 2.0 * own.compute_s).abs() < 1e-12 * own.compute_s);
+}
+
 #[test]
 fn a_step_pays_its_fixed_costs_once() {
     let fixed = TimeModel {
