@@ -388,21 +388,29 @@ fn scratch_len(g: Geo, backward: bool) -> usize {
     }
 }
 
-/// `dst = xᵀ` for the `t × hd` matrix `x`, `dst` row-major `hd × t`: the products
-/// `q·kᵀ` and `dO·vᵀ` then read their right operand row by row.
-fn transpose<T: Float>(x: Mat<T>, t: usize, hd: usize, dst: &mut [T]) {
+/// `xᵀ` for the `t × hd` matrix `x`, as the products `q·kᵀ` and `dO·vᵀ` read their right
+/// operand. Where the small-product kernel runs them (f32 on AVX-512), which needs a
+/// unit column stride, it is copied into `dst` (row-major `hd × t`); elsewhere it is a
+/// strided view of `x` itself: `gemm` packs its operands anyway, so the copy was pure
+/// cost (1.5 % of a pipeline step's cycles on an AVX2 AMD EPYC; without it the
+/// attention's forward takes 0.87 × the time, its forward and backward 0.86–0.95 ×,
+/// `cargo bench --bench ops -- attention/`).
+fn transposed<'a, T: Float>(x: Mat<'a, T>, t: usize, hd: usize, dst: &'a mut [T]) -> Mat<'a, T> {
     let src = &x.data[..(t - 1) * x.rs + hd];
     #[cfg(target_arch = "x86_64")]
-    if let (Some(src), Some(dst)) = (kernel::avx512_f32(src), kernel::avx512_f32_mut(dst)) {
-        assert!(dst.len() >= hd * t, "transpose: destination too small");
+    if let (Some(src), Some(out)) = (kernel::avx512_f32(src), kernel::avx512_f32_mut(dst)) {
+        assert!(out.len() >= hd * t, "transpose: destination too small");
         // SAFETY: `avx512_f32` only answers on CPUs with AVX-512; the sizes were checked.
-        return unsafe { crate::avx512::transpose(src, x.rs, t, hd, dst, t) };
+        unsafe { crate::avx512::transpose(src, x.rs, t, hd, out, t) };
+        return Mat::rows(&*dst, t);
     }
-    transpose_portable(src, x.rs, t, hd, dst)
+    Mat { data: src, ..x }.t()
 }
 
 /// The portable twin of [`crate::avx512::transpose`]: `dst` (`cols × rows`, row stride
-/// `rows`) `= srcᵀ` for `src` `rows × cols` of row stride `rs`.
+/// `rows`) `= srcᵀ` for `src` `rows × cols` of row stride `rs` (the twins' tests check
+/// the AVX-512 kernel against it; the attention itself reads a strided view instead).
+#[cfg(test)]
 pub(crate) fn transpose_portable<T: Float>(
     src: &[T],
     rs: usize,
@@ -432,8 +440,7 @@ fn forward_pair<T: Float>(
     let (bi, hi) = (pair / g.h, pair % g.h);
     let [qm, km, vm] = g.qkv(qkv, bi, hi);
     let (s, kt) = scratch.split_at_mut(t * t);
-    transpose(km, t, hd, kt);
-    let kt = Mat::rows(&*kt, t);
+    let kt = transposed(km, t, hd, kt);
     // Row blocks: rows r0..r1 only see keys 0..r1.
     for (r0, r1) in blocks(t) {
         let qb = Mat {
@@ -496,9 +503,7 @@ fn backward_pair<T: Float>(
     let (kt, vt) = rest.split_at_mut(hd * t);
     let [q, k, v] = g.offsets(bi, hi);
     let [qm, km, vm] = g.qkv(x, bi, hi);
-    transpose(km, t, hd, kt);
-    transpose(vm, t, hd, vt);
-    let (kt, vt) = (Mat::rows(&*kt, t), Mat::rows(&*vt, t));
+    let (kt, vt) = (transposed(km, t, hd, kt), transposed(vm, t, hd, vt));
     let oo = g.out(bi, hi);
     let dom = Mat {
         data: &d_o[oo..],
