@@ -389,20 +389,28 @@ fn scratch_len(g: Geo, backward: bool) -> usize {
 }
 
 /// `xᵀ` for the `t × hd` matrix `x`, as the products `q·kᵀ` and `dO·vᵀ` read their right
-/// operand. Where the small-product kernel runs them (f32 on AVX-512), which needs a
-/// unit column stride, it is copied into `dst` (row-major `hd × t`); elsewhere it is a
-/// strided view of `x` itself: `gemm` packs its operands anyway, so the copy was pure
-/// cost (1.5 % of a pipeline step's cycles on an AVX2 AMD EPYC; without it the
-/// attention's forward takes 0.87 × the time, its forward and backward 0.86–0.95 ×,
-/// `cargo bench --bench ops -- attention/`).
+/// operand. Where a small-product kernel runs them (f32 on AVX-512 or AVX2), which needs
+/// a unit column stride, it is copied into `dst` (row-major `hd × t`) by that CPU's
+/// register transpose; elsewhere (f64, the portable build) it is a strided view of `x`
+/// itself: `gemm` packs its operands anyway, so a copy would be pure cost (a scalar
+/// transpose was 1.5 % of a pipeline step's cycles on an AVX2 AMD EPYC).
 fn transposed<'a, T: Float>(x: Mat<'a, T>, t: usize, hd: usize, dst: &'a mut [T]) -> Mat<'a, T> {
     let src = &x.data[..(t - 1) * x.rs + hd];
     #[cfg(target_arch = "x86_64")]
-    if let (Some(src), Some(out)) = (kernel::avx512_f32(src), kernel::avx512_f32_mut(dst)) {
-        assert!(out.len() >= hd * t, "transpose: destination too small");
-        // SAFETY: `avx512_f32` only answers on CPUs with AVX-512; the sizes were checked.
-        unsafe { crate::avx512::transpose(src, x.rs, t, hd, out, t) };
-        return Mat::rows(&*dst, t);
+    {
+        if let (Some(src), Some(out)) = (kernel::avx512_f32(src), kernel::avx512_f32_mut(dst)) {
+            assert!(out.len() >= hd * t, "transpose: destination too small");
+            // SAFETY: `avx512_f32` only answers on CPUs with AVX-512; the sizes were
+            // checked.
+            unsafe { crate::avx512::transpose(src, x.rs, t, hd, out, t) };
+            return Mat::rows(&*dst, t);
+        }
+        if let (Some(src), Some(out)) = (kernel::avx2_f32(src), kernel::avx2_f32_mut(dst)) {
+            assert!(out.len() >= hd * t, "transpose: destination too small");
+            // SAFETY: `avx2_f32` only answers on CPUs with AVX2; the sizes were checked.
+            unsafe { crate::avx2::transpose(src, x.rs, t, hd, out, t) };
+            return Mat::rows(&*dst, t);
+        }
     }
     Mat { data: src, ..x }.t()
 }

@@ -391,6 +391,19 @@ pub(crate) fn avx512_f32<T: Float>(x: &[T]) -> Option<&[f32]> {
     as_f32(x).filter(|_| cfg!(target_arch = "x86_64") && avx512())
 }
 
+/// `x` as `&[f32]` when `T` is f32 and the CPU runs the AVX2 kernels of [`crate::avx2`]
+/// (also where AVX-512 runs: ask [`avx512_f32`] first).
+pub(crate) fn avx2_f32<T: Float>(x: &[T]) -> Option<&[f32]> {
+    as_f32(x).filter(|_| cfg!(target_arch = "x86_64") && avx2())
+}
+
+/// [`avx2_f32`] for a mutable slice.
+pub(crate) fn avx2_f32_mut<T: Float>(x: &mut [T]) -> Option<&mut [f32]> {
+    (cfg!(target_arch = "x86_64") && T::DTYPE == candle_core::DType::F32 && avx2())
+        // SAFETY: T is f32 (its dtype says so): the cast is the identity.
+        .then(|| unsafe { std::slice::from_raw_parts_mut(x.as_mut_ptr().cast::<f32>(), x.len()) })
+}
+
 /// `x` as f32, when `T` is f32 (the bf16 paths of the fused ops, which run on f32 only).
 pub(crate) fn as_f32<T: Float>(x: &[T]) -> Option<&[f32]> {
     (T::DTYPE == candle_core::DType::F32)

@@ -87,6 +87,7 @@
 
 mod attention;
 mod aux_loss;
+mod avx2;
 mod avx512;
 mod backend;
 mod bf16;

@@ -34,50 +34,74 @@ const NR: usize = 32;
 /// The CPU must support AVX-512F; the caller has checked every operand's bounds for
 /// these `m`, `n`, `k` and `ld` (as [`crate::kernel::matmul`] does), and `dst` does not
 /// alias `a` or `b`.
-#[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn small_sgemm(
-    m: usize,
-    n: usize,
-    k: usize,
-    dst: *mut f32,
-    ld: usize,
-    accumulate: bool,
-    a: Mat<f32>,
-    b: Mat<f32>,
-) {
-    debug_assert_eq!(b.cs, 1);
-    let (ap, bp) = (a.data.as_ptr(), b.data.as_ptr());
-    for i in (0..m).step_by(MR) {
-        let rows = (m - i).min(MR);
-        for j in (0..n).step_by(NR) {
-            let cols = (n - j).min(NR);
-            let t = Tile {
-                k,
-                a: ap.add(i * a.rs),
-                rs: a.rs,
-                cs: a.cs,
-                b: bp.add(j),
-                ldb: b.rs,
-                c: dst.add(i * ld + j),
-                ldc: ld,
-                mask: [lanes(cols), lanes(cols.saturating_sub(16))],
-                acc: accumulate,
+pub(crate) unsafe fn small_sgemm(product: Product) {
+    product.each_tile((MR, NR), lanes, |t, rows, cols| {
+        macro_rules! go {
+            ($($r:literal)*) => {
+                match (rows, cols > 16) {
+                    $(($r, false) => t.run::<$r, 1>(), ($r, true) => t.run::<$r, 2>(),)*
+                    _ => unreachable!("rows ≤ MR"),
+                }
             };
-            macro_rules! go {
-                ($($r:literal)*) => {
-                    match (rows, cols > 16) {
-                        $(($r, false) => t.run::<$r, 1>(), ($r, true) => t.run::<$r, 2>(),)*
-                        _ => unreachable!("rows ≤ MR"),
-                    }
+        }
+        go!(1 2 3 4 5 6 7 8);
+    });
+}
+
+/// One small product, `dst[m×n] = (accumulate ? dst : 0) + a · b`, as the register-tile
+/// kernels (this module's, [`crate::avx2`]'s) take it.
+pub(crate) struct Product<'a> {
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub dst: *mut f32,
+    pub ld: usize,
+    pub accumulate: bool,
+    pub a: Mat<'a, f32>,
+    pub b: Mat<'a, f32>,
+}
+
+impl Product<'_> {
+    /// Runs `run(tile, rows, cols)` on each `mr × nr` tile of `C` in turn (`rows ≤ mr`,
+    /// `cols ≤ nr` at the edges), the tile's two vectors of `nr / 2` lanes masked by
+    /// `mask(lanes)`.
+    ///
+    /// # Safety
+    /// As the kernel's: the operands' bounds were checked for `m`, `n`, `k` and `ld`, and
+    /// `b` has unit column stride.
+    pub(crate) unsafe fn each_tile<M>(
+        &self,
+        (mr, nr): (usize, usize),
+        mask: unsafe fn(usize) -> M,
+        mut run: impl FnMut(&Tile<M>, usize, usize),
+    ) {
+        debug_assert_eq!(self.b.cs, 1);
+        let (a, b) = (self.a, self.b);
+        let (ap, bp) = (a.data.as_ptr(), b.data.as_ptr());
+        for i in (0..self.m).step_by(mr) {
+            let rows = (self.m - i).min(mr);
+            for j in (0..self.n).step_by(nr) {
+                let cols = (self.n - j).min(nr);
+                let t = Tile {
+                    k: self.k,
+                    a: ap.add(i * a.rs),
+                    rs: a.rs,
+                    cs: a.cs,
+                    b: bp.add(j),
+                    ldb: b.rs,
+                    c: self.dst.add(i * self.ld + j),
+                    ldc: self.ld,
+                    mask: [mask(cols), mask(cols.saturating_sub(nr / 2))],
+                    acc: self.accumulate,
                 };
+                run(&t, rows, cols);
             }
-            go!(1 2 3 4 5 6 7 8);
         }
     }
 }
 
 /// A mask of the first `n` (at most 16) lanes.
-fn lanes(n: usize) -> __mmask16 {
+unsafe fn lanes(n: usize) -> __mmask16 {
     if n >= 16 {
         0xffff
     } else {
@@ -85,21 +109,22 @@ fn lanes(n: usize) -> __mmask16 {
     }
 }
 
-/// One tile of `C`: its rows of `A`, its columns of `B`, where it goes.
-struct Tile {
-    k: usize,
-    a: *const f32,
-    rs: usize,
-    cs: usize,
-    b: *const f32,
-    ldb: usize,
-    c: *mut f32,
-    ldc: usize,
-    mask: [__mmask16; 2],
-    acc: bool,
+/// One tile of `C`: its rows of `A`, its columns of `B`, where it goes, and the masks of
+/// its vectors' lanes (`M`: the CPU's kind of mask).
+pub(crate) struct Tile<M> {
+    pub k: usize,
+    pub a: *const f32,
+    pub rs: usize,
+    pub cs: usize,
+    pub b: *const f32,
+    pub ldb: usize,
+    pub c: *mut f32,
+    pub ldc: usize,
+    pub mask: [M; 2],
+    pub acc: bool,
 }
 
-impl Tile {
+impl Tile<__mmask16> {
     /// `C[R × 16V] = (C or 0) + A[R × k] · B[k × 16V]`, masked to the tile's columns.
     ///
     /// # Safety
@@ -137,7 +162,7 @@ impl Tile {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     /// The product in f64, element by element.
@@ -161,6 +186,9 @@ mod tests {
             .collect()
     }
 
+    /// A small-product kernel's signature ([`small_sgemm`], `crate::avx2::small_sgemm`).
+    pub(crate) type Kernel = unsafe fn(Product);
+
     /// The register-tile kernel against the naive product, and against its portable
     /// twin (the `gemm` crate's product through `kernel::matmul`).
     #[test]
@@ -170,7 +198,14 @@ mod tests {
             eprintln!("note: no AVX-512 here (or under Miri): skipped");
             return;
         }
-        // Shapes that cross every tile edge, with one and two vectors per tile row.
+        // SAFETY: AVX-512F was detected.
+        check(small_sgemm);
+    }
+
+    /// `kernel` (whose CPU features the caller has checked) on shapes that cross every
+    /// tile edge, with one and two vectors per tile row, `A` either way round, written
+    /// and accumulated, into a destination wider than `n`.
+    pub(crate) fn check(kernel: Kernel) {
         for &(m, n, k) in &[
             (1, 1, 1),
             (14, 32, 1),
@@ -195,8 +230,19 @@ mod tests {
                     let ld = n + 3;
                     let init = data(m * ld, 3);
                     let mut c = init.clone();
-                    // SAFETY: AVX-512F was detected; the operands are exactly sized.
-                    unsafe { small_sgemm(m, n, k, c.as_mut_ptr(), ld, accumulate, a, b) };
+                    // SAFETY: the caller checked the CPU; the operands are exactly sized.
+                    unsafe {
+                        kernel(Product {
+                            m,
+                            n,
+                            k,
+                            dst: c.as_mut_ptr(),
+                            ld,
+                            accumulate,
+                            a,
+                            b,
+                        })
+                    };
                     let want = naive(m, n, k, a, b);
                     let mut twin = init.clone();
                     let dst = match accumulate {

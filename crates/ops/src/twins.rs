@@ -191,7 +191,16 @@ fn softmax_row_gradients_match_their_twin_and_f64() {
 #[test]
 fn transposes_match_their_twin_and_the_definition() {
     let avx = has("transposes");
-    for (rows, cols) in [(1, 1), (3, 2), (16, 16), (17, 5), (5, 33), (40, 3)] {
+    for (rows, cols) in [
+        (1, 1),
+        (3, 2),
+        (8, 8),
+        (16, 16),
+        (17, 5),
+        (5, 33),
+        (40, 3),
+        (9, 12),
+    ] {
         let rs = cols + 2;
         let src: Vec<f32> = (0..(rows - 1) * rs + cols).map(|i| i as f32).collect();
         let want: Vec<f64> = (0..cols * rows)
@@ -206,6 +215,13 @@ fn transposes_match_their_twin_and_the_definition() {
             // SAFETY: AVX-512; `src` holds (rows − 1)·rs + cols and `a` cols·rows elements.
             unsafe { crate::avx512::transpose(&src, rs, rows, cols, &mut a, rows) };
             assert_eq!(a, p, "AVX-512 vs portable transpose {rows}×{cols}");
+        }
+        #[cfg(target_arch = "x86_64")]
+        if has_avx2("transposes") {
+            let mut a = vec![-1f32; cols * rows];
+            // SAFETY: AVX2; `src` holds (rows − 1)·rs + cols and `a` cols·rows elements.
+            unsafe { crate::avx2::transpose(&src, rs, rows, cols, &mut a, rows) };
+            assert_eq!(a, p, "AVX2 vs portable transpose {rows}×{cols}");
         }
     }
     let _ = avx;

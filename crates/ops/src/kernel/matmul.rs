@@ -1,11 +1,11 @@
 //! [`matmul`]: one product on raw slices (or strided views, [`Mat`]), writing or
 //! accumulating into its output ([`Dst`]) and never zero-filling it: the `gemm` crate
-//! (AVX-512 through its `x86-v4` feature), or the small-product kernel of
-//! [`crate::sgemm`] for the attention's products.
+//! (AVX-512 through its `x86-v4` feature), or the small-product kernels of
+//! [`crate::sgemm`] (AVX-512) and [`crate::avx2`] for the attention's products.
 
 use std::mem::MaybeUninit;
 
-use super::{avx512, avx512_f32, Float};
+use super::{as_f32, avx2, avx512, Float};
 
 /// A matrix operand of [`matmul`]: element `(i, j)` is at `data[i·rs + j·cs]`.
 #[derive(Clone, Copy)]
@@ -39,7 +39,8 @@ impl<'a, T> Mat<'a, T> {
 }
 
 /// f32 products of at most this many multiply-adds whose `b` has unit column stride go
-/// to [`crate::sgemm::small_sgemm`] (no packing) on AVX-512 CPUs: the attention's.
+/// to a small-product kernel (no packing; [`crate::sgemm::small_sgemm`] on AVX-512 CPUs,
+/// [`crate::avx2::small_sgemm`] on AVX2 ones): the attention's.
 const SMALL_MAX: usize = 1 << 19;
 
 /// Products below this many multiply-adds run on one thread.
@@ -50,7 +51,7 @@ pub(crate) const PARALLEL_MIN: usize = 1 << 21;
 /// runs one) rather than the small-product kernel (none), and whether it splits it over
 /// the threads of a compute pool: `(gemm, split)`. For memory estimates.
 pub fn product_path(mnk: usize) -> (bool, bool) {
-    let small = cfg!(target_arch = "x86_64") && avx512() && mnk <= SMALL_MAX;
+    let small = cfg!(target_arch = "x86_64") && (avx512() || avx2()) && mnk <= SMALL_MAX;
     (!small, !small && mnk >= PARALLEL_MIN)
 }
 
@@ -128,14 +129,31 @@ pub(crate) unsafe fn matmul_raw<T: Float>(
         return;
     }
     #[cfg(target_arch = "x86_64")]
-    if b.cs == 1 && m * n * k <= SMALL_MAX {
-        if let (Some(ad), Some(bd)) = (avx512_f32(a.data), avx512_f32(b.data)) {
-            let (rs, cs) = (a.rs, a.cs);
-            let a = Mat { data: ad, rs, cs };
-            let b = Mat::rows(bd, b.rs);
-            // SAFETY: `avx512_f32` only answers on CPUs with AVX-512 (and when T is f32);
-            // the operands' bounds were checked above, the destination's by the caller.
-            unsafe { crate::sgemm::small_sgemm(m, n, k, dst.cast(), ld, accumulate, a, b) };
+    if b.cs == 1 && m * n * k <= SMALL_MAX && (avx512() || avx2()) {
+        if let (Some(ad), Some(bd)) = (as_f32(a.data), as_f32(b.data)) {
+            let product = crate::sgemm::Product {
+                m,
+                n,
+                k,
+                dst: dst.cast(),
+                ld,
+                accumulate,
+                a: Mat {
+                    data: ad,
+                    rs: a.rs,
+                    cs: a.cs,
+                },
+                b: Mat::rows(bd, b.rs),
+            };
+            // SAFETY: the CPU has AVX-512 (checked first), or else AVX2 and FMA (checked
+            // above); `T` is f32; the operands' bounds were checked above, the
+            // destination's by the caller.
+            unsafe {
+                match avx512() {
+                    true => crate::sgemm::small_sgemm(product),
+                    false => crate::avx2::small_sgemm(product),
+                }
+            };
             return;
         }
     }
