@@ -417,7 +417,8 @@ fn transposed<'a, T: Float>(x: Mat<'a, T>, t: usize, hd: usize, dst: &'a mut [T]
 
 /// The portable twin of [`crate::avx512::transpose`]: `dst` (`cols × rows`, row stride
 /// `rows`) `= srcᵀ` for `src` `rows × cols` of row stride `rs` (the twins' tests check
-/// the AVX-512 kernel against it; the attention itself reads a strided view instead).
+/// the AVX-512 and AVX2 kernels against it; where neither runs, the attention reads a
+/// strided view instead).
 #[cfg(test)]
 pub(crate) fn transpose_portable<T: Float>(
     src: &[T],

@@ -191,7 +191,8 @@ unsafe fn transpose8(r: [__m256; 8]) -> [__m256; 8] {
 #[cfg(test)]
 mod tests {
     /// The register-tile kernel against the naive product and the `gemm` crate's, on
-    /// the AVX-512 kernel's shapes.
+    /// shapes that cross its `6 × 16` tile's every edge (the attention's 16-row blocks
+    /// end in a 4-row tile; 8 or 24 columns end in one whole vector).
     #[test]
     fn the_small_product_matches_the_naive_product_and_its_twin() {
         if !crate::kernel::avx2() {

@@ -47,7 +47,8 @@
 //!   attention recomputes its probabilities flash-style instead of storing `(B, H, T, T)`.
 //! * **Fast kernels.** Products go through the `gemm` crate with its AVX-512 kernels,
 //!   writing into uninitialised outputs (the bias placed first, the product accumulated
-//!   onto it); element-wise and row kernels are compiled three times, for AVX-512, for
+//!   onto it), except the attention's small ones, which register-tile kernels for
+//!   AVX-512 and for AVX2 run in place; element-wise and row kernels are compiled three times, for AVX-512, for
 //!   AVX2 and FMA (each chosen at run time, the same rounding) and for the baseline CPU,
 //!   with a polynomial `exp` that vectorises. Work is
 //!   split over the current rayon pool: a worker's own threads.

@@ -216,6 +216,9 @@ pub(crate) mod tests {
             (17, 70, 300),
             (30, 160, 20),
             (3, 5, 600),
+            (16, 40, 32),
+            (10, 24, 9),
+            (4, 8, 128),
         ] {
             for ta in [false, true] {
                 for accumulate in [false, true] {

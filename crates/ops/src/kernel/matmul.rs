@@ -5,7 +5,9 @@
 
 use std::mem::MaybeUninit;
 
-use super::{as_f32, avx2, avx512, Float};
+#[cfg(target_arch = "x86_64")]
+use super::as_f32;
+use super::{avx2, avx512, Float};
 
 /// A matrix operand of [`matmul`]: element `(i, j)` is at `data[i·rs + j·cs]`.
 #[derive(Clone, Copy)]

@@ -27,8 +27,10 @@
 //!   width's curve is used.
 //! * **Shared cores.** A calibrated model knows the machine's `c` cores
 //!   ([`TimeModel::cores`]). When its `W` workers of `t` threads run more threads than
-//!   that, they take turns: every part, and the optimizer, takes `W · t / c` times as
-//!   long (so that `plan` never promises more FLOP/s than the cores have).
+//!   that, they take turns: every part takes `W · t / c` times as long (an upper bound:
+//!   it assumes every worker computes at once, which a pipeline's bubble does not), and
+//!   the optimizer, on one thread a worker, `W / c` (so that `plan` never promises more
+//!   FLOP/s than the cores have).
 //! * **Stage `s`**, one microbatch, forward and backward together, on each of the `tp`
 //!   ranks: `C_s = k_s · S_t(n · F_s / (tp · k_s))`, `F_s = Σ_{ℓ∈s} c_ℓ + [first] c_e +
 //!   [last] c_h` and `k_s` the parts the stage runs (its parts taken at their mean size,
@@ -160,13 +162,17 @@ pub fn predict_step_time<M: Model>(
     };
     let tokens = (cfg.microbatch_size() * cfg.seq_len) as f64;
     let shared = cfg.world_size() > 1;
-    // More compute threads than the cores they share: they take turns.
-    let turns = tm
-        .cores
-        .map_or(1.0, |c| {
-            (cfg.world_size() * threads) as f64 / c.max(1) as f64
-        })
-        .max(1.0);
+    // More threads than the cores they share take turns: the compute threads (every
+    // worker's at once, an upper bound when a bubble idles some), and the workers' own
+    // threads for the optimizer, which runs on one.
+    let over = |threads: usize| {
+        tm.cores
+            .map_or(1.0, |c| {
+                (cfg.world_size() * threads) as f64 / c.max(1) as f64
+            })
+            .max(1.0)
+    };
+    let (turns, optimizer_turns) = (over(threads), over(1));
     let activation = tokens * m.width().unwrap_or(0) as f64 * 4.0;
     let all_reduce = |bytes: f64| tm.collective.all_reduce(bytes, cfg.tp);
     let width = m.width().unwrap_or(0) as f64 * 4.0;
@@ -452,7 +458,8 @@ pub fn predict_step_time<M: Model>(
         };
         (
             dp + experts_sum,
-            turns * ((n + experts) * tm.optimizer_s_per_param + k * tm.optimizer_s_per_tensor),
+            optimizer_turns
+                * ((n + experts) * tm.optimizer_s_per_param + k * tm.optimizer_s_per_tensor),
         )
     };
     let slowest = ranks

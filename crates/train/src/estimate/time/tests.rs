@@ -61,8 +61,9 @@ fn one_worker_is_its_flops_over_the_rate() {
     assert_eq!(predict_step_time(&two, &flat).unwrap().seconds, s.seconds);
 }
 
-/// More compute threads than cores take turns: each part and the optimizer slow down
-/// by threads / cores, and never speed up when there are cores to spare.
+/// More compute threads than cores take turns: each part slows down by threads / cores
+/// and the optimizer (one thread a worker) by workers / cores, and neither speeds up
+/// when there are cores to spare.
 #[test]
 fn workers_beyond_the_cores_take_turns() {
     let tm = |cores| TimeModel {
@@ -80,11 +81,12 @@ fn workers_beyond_the_cores_take_turns() {
         ..four.clone()
     };
     let own = predict_step_time(&four, &tm(None)).unwrap();
-    for (c, cores, turns) in [
-        (&four, 8, 1.0),
-        (&four, 4, 1.0),
-        (&four, 2, 2.0),
-        (&eight, 2, 4.0),
+    for (c, cores, turns, optimizer_turns) in [
+        (&four, 8, 1.0, 1.0),
+        (&four, 4, 1.0, 1.0),
+        (&four, 2, 2.0, 2.0),
+        (&eight, 4, 2.0, 1.0),
+        (&eight, 2, 4.0, 2.0),
     ] {
         let base = predict_step_time(c, &tm(None)).unwrap();
         let s = predict_step_time(c, &tm(Some(cores))).unwrap();
@@ -93,7 +95,7 @@ fn workers_beyond_the_cores_take_turns() {
             "{s:?}"
         );
         assert!(
-            (s.optimizer_s - turns * base.optimizer_s).abs() < 1e-15,
+            (s.optimizer_s - optimizer_turns * base.optimizer_s).abs() < 1e-15,
             "{s:?}"
         );
         assert!(s.optimizer_s > 0.0);
