@@ -47,10 +47,9 @@ pub(crate) fn avx512() -> bool {
 }
 
 /// Whether this CPU has AVX2 and FMA for the kernels that have such a build: the
-/// [`simd!`] kernels' (on CPUs without AVX-512, which run theirs), the attention's small
-/// products and transposes ([`crate::avx2`]; where AVX-512 does not run them either).
-/// True on AVX-512 CPUs too (ask [`avx512`] first); never under Miri, and never inside
-/// [`portable_only`].
+/// [`simd!`] kernels' (on CPUs without AVX-512, which run theirs) and the small products'
+/// ([`small_products`]). True on AVX-512 CPUs too (ask [`avx512`] first); never under
+/// Miri, and never inside [`portable_only`].
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(crate) fn avx2() -> bool {
     #[cfg(test)]
@@ -394,19 +393,11 @@ pub(crate) fn avx512_f32<T: Float>(x: &[T]) -> Option<&[f32]> {
     as_f32(x).filter(|_| cfg!(target_arch = "x86_64") && avx512())
 }
 
-/// `x` as `&[f32]` when `T` is f32 and the CPU runs the AVX2 kernels of [`crate::avx2`]
-/// (also where AVX-512 runs: ask [`avx512_f32`] first).
-#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-pub(crate) fn avx2_f32<T: Float>(x: &[T]) -> Option<&[f32]> {
-    as_f32(x).filter(|_| cfg!(target_arch = "x86_64") && avx2())
-}
-
-/// [`avx2_f32`] for a mutable slice.
-#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-pub(crate) fn avx2_f32_mut<T: Float>(x: &mut [T]) -> Option<&mut [f32]> {
-    (cfg!(target_arch = "x86_64") && T::DTYPE == candle_core::DType::F32 && avx2())
-        // SAFETY: T is f32 (its dtype says so): the cast is the identity.
-        .then(|| unsafe { std::slice::from_raw_parts_mut(x.as_mut_ptr().cast::<f32>(), x.len()) })
+/// Whether this CPU has a register-tile kernel for small f32 products and the attention's
+/// transposes: AVX-512's ([`crate::sgemm`], chosen first) or AVX2's ([`crate::avx2`]).
+/// [`matmul`], `product_path` and the attention's `transposed` decide alike by it.
+pub(crate) fn small_products() -> bool {
+    cfg!(target_arch = "x86_64") && (avx512() || avx2())
 }
 
 /// `x` as f32, when `T` is f32 (the bf16 paths of the fused ops, which run on f32 only).
@@ -414,6 +405,14 @@ pub(crate) fn as_f32<T: Float>(x: &[T]) -> Option<&[f32]> {
     (T::DTYPE == candle_core::DType::F32)
         // SAFETY: T is f32 (its dtype says so): the cast is the identity.
         .then(|| unsafe { std::slice::from_raw_parts(x.as_ptr().cast::<f32>(), x.len()) })
+}
+
+/// [`as_f32`] for a mutable slice.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+pub(crate) fn as_f32_mut<T: Float>(x: &mut [T]) -> Option<&mut [f32]> {
+    (T::DTYPE == candle_core::DType::F32)
+        // SAFETY: T is f32 (its dtype says so): the cast is the identity.
+        .then(|| unsafe { std::slice::from_raw_parts_mut(x.as_mut_ptr().cast::<f32>(), x.len()) })
 }
 
 /// [`avx512_f32`] for a mutable slice.

@@ -6,8 +6,8 @@
 use std::mem::MaybeUninit;
 
 #[cfg(target_arch = "x86_64")]
-use super::as_f32;
-use super::{avx2, avx512, Float};
+use super::{as_f32, avx512};
+use super::{small_products, Float};
 
 /// A matrix operand of [`matmul`]: element `(i, j)` is at `data[i·rs + j·cs]`.
 #[derive(Clone, Copy)]
@@ -53,7 +53,7 @@ pub(crate) const PARALLEL_MIN: usize = 1 << 21;
 /// runs one) rather than the small-product kernel (none), and whether it splits it over
 /// the threads of a compute pool: `(gemm, split)`. For memory estimates.
 pub fn product_path(mnk: usize) -> (bool, bool) {
-    let small = cfg!(target_arch = "x86_64") && (avx512() || avx2()) && mnk <= SMALL_MAX;
+    let small = small_products() && mnk <= SMALL_MAX;
     (!small, !small && mnk >= PARALLEL_MIN)
 }
 
@@ -131,7 +131,7 @@ pub(crate) unsafe fn matmul_raw<T: Float>(
         return;
     }
     #[cfg(target_arch = "x86_64")]
-    if b.cs == 1 && m * n * k <= SMALL_MAX && (avx512() || avx2()) {
+    if b.cs == 1 && m * n * k <= SMALL_MAX && small_products() {
         if let (Some(ad), Some(bd)) = (as_f32(a.data), as_f32(b.data)) {
             let product = crate::sgemm::Product {
                 m,
@@ -147,8 +147,8 @@ pub(crate) unsafe fn matmul_raw<T: Float>(
                 },
                 b: Mat::rows(bd, b.rs),
             };
-            // SAFETY: the CPU has AVX-512 (checked first), or else AVX2 and FMA (checked
-            // above); `T` is f32; the operands' bounds were checked above, the
+            // SAFETY: the CPU has AVX-512 (checked first), or else AVX2 and FMA
+            // (`small_products`); `T` is f32; the operands' bounds were checked above, the
             // destination's by the caller.
             unsafe {
                 match avx512() {

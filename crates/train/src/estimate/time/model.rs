@@ -135,8 +135,9 @@ pub struct TimeModel {
     #[serde(default)]
     pub world_overhead_s: f64,
     /// The cores the workers share (this machine's, calibrated), or `None` when each
-    /// worker has a device of its own (a cluster, [`TimeModel::linear`]). More compute
-    /// threads than cores take turns: every part is slower by `threads / cores`.
+    /// worker has a device of its own (a cluster, [`TimeModel::linear`]). More threads
+    /// than cores take turns (the module doc of [`super::predict_step_time`]'s: "Shared
+    /// cores").
     #[serde(default)]
     pub cores: Option<usize>,
 }
