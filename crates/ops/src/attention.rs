@@ -18,7 +18,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use crate::kernel::{self, max, simd, slice, sum, view, Float, Mat, SharedMut, Uninit};
+use crate::kernel::{self, max, simd, slice, sum, view, Float, Inherited, Mat, SharedMut, Uninit};
 use crate::{composed, OpsBackend};
 #[cfg(test)]
 pub(crate) use pair::transpose_portable;
@@ -274,14 +274,16 @@ impl Attention {
         }
         let mut y = Uninit::<T>::new(g.b * t * dl)?;
         let mut lse = Uninit::<T>::new(g.b * g.h * t)?;
-        let out = SharedMut(y.as_mut_ptr());
+        let (out, ceiling) = (SharedMut(y.as_mut_ptr()), Inherited::here());
         lse.as_mut()
             .par_chunks_mut(t)
             .enumerate()
             .with_min_len(pairs_per_task(g))
             .for_each_init(
                 || vec![T::zero(); scratch_len(g, false)],
-                |scratch, (pair, lse)| forward_pair(qkv, g, pair, scratch, lse, out),
+                |scratch, (pair, lse)| {
+                    ceiling.run(|| forward_pair(qkv, g, pair, scratch, lse, out))
+                },
             );
         // SAFETY: every pair wrote the log-sum-exp of each of its `t` rows, and its `t`
         // rows × `hd` columns of `y`: together every element of both.
@@ -311,13 +313,15 @@ impl Attention {
             return Ok(Vec::new());
         }
         let mut dx = Uninit::<T>::new(x.len())?;
-        let dst = SharedMut(dx.as_mut_ptr());
+        let (dst, ceiling) = (SharedMut(dx.as_mut_ptr()), Inherited::here());
         (0..g.b * g.h)
             .into_par_iter()
             .with_min_len(pairs_per_task(g))
             .for_each_init(
                 || vec![T::zero(); scratch_len(g, true)],
-                |scratch, pair| backward_pair(x, o, d_o, lse, g, pair, scratch, dst),
+                |scratch, pair| {
+                    ceiling.run(|| backward_pair(x, o, d_o, lse, g, pair, scratch, dst))
+                },
             );
         // SAFETY: every pair wrote its q, k and v columns of each of its `t` rows:
         // together every element of `dx`.

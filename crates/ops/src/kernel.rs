@@ -83,23 +83,59 @@ thread_local! {
     static CEILING: std::cell::Cell<Ceiling> = const { std::cell::Cell::new(Ceiling::Best) };
 }
 
+/// Runs `f` under ceiling `c` on this thread, then puts back the one before (also when
+/// `f` panics: a rayon thread goes on to other tests' tasks).
 #[cfg(test)]
 fn with_ceiling<R>(c: Ceiling, f: impl FnOnce() -> R) -> R {
-    CEILING.with(|p| p.set(c));
-    let r = f();
-    CEILING.with(|p| p.set(Ceiling::Best));
-    r
+    struct Restore(Ceiling);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            CEILING.with(|p| p.set(self.0));
+        }
+    }
+    let _restore = Restore(CEILING.with(|p| p.replace(c)));
+    f()
 }
 
-/// Runs `f` with the AVX-512 and AVX2 kernels switched off on this thread (not on
-/// rayon's), so that a test can run a kernel's portable twin on any CPU.
+/// The calling thread's kernel ceiling, carried to the tasks it hands to rayon's threads
+/// ([`Inherited::run`]), so that a test's [`portable_only`] or [`at_most_avx2`] covers a
+/// parallel op end to end. Outside tests it holds nothing and runs the task as it is.
+#[derive(Clone, Copy)]
+pub(crate) struct Inherited {
+    #[cfg(test)]
+    ceiling: Ceiling,
+}
+
+impl Inherited {
+    /// This thread's ceiling.
+    pub(crate) fn here() -> Self {
+        Inherited {
+            #[cfg(test)]
+            ceiling: CEILING.with(|c| c.get()),
+        }
+    }
+
+    /// Runs `f` (a task on any thread) under the ceiling taken by [`Inherited::here`].
+    #[inline(always)]
+    pub(crate) fn run<R>(self, f: impl FnOnce() -> R) -> R {
+        #[cfg(test)]
+        return with_ceiling(self.ceiling, f);
+        #[cfg(not(test))]
+        f()
+    }
+}
+
+/// Runs `f` with the AVX-512 and AVX2 kernels switched off on this thread (and on the
+/// tasks it hands to rayon through [`Inherited`]), so that a test can run a kernel's
+/// portable twin on any CPU.
 #[cfg(test)]
 pub(crate) fn portable_only<R>(f: impl FnOnce() -> R) -> R {
     with_ceiling(Ceiling::Portable, f)
 }
 
-/// Runs `f` with the AVX-512 kernels switched off on this thread (not on rayon's): the
-/// AVX2 builds of the [`simd!`] kernels run where the CPU has AVX2 and FMA.
+/// Runs `f` with the AVX-512 kernels switched off on this thread (and on the tasks it
+/// hands to rayon through [`Inherited`]): the AVX2 builds of the [`simd!`] kernels and
+/// the AVX2 small products run where the CPU has AVX2 and FMA.
 #[cfg(test)]
 pub(crate) fn at_most_avx2<R>(f: impl FnOnce() -> R) -> R {
     with_ceiling(Ceiling::Avx2, f)

@@ -5,7 +5,26 @@
 use std::sync::OnceLock;
 
 use super::{Attention, Geo};
-use crate::kernel::{test_data, Float};
+use crate::kernel::{at_most_avx2, avx2, portable_only, test_data, Float};
+
+/// Which builds of the kernels run: the fastest the CPU has, or capped for the whole op,
+/// its tasks on the pool's threads included (`kernel::Inherited`).
+#[derive(Clone, Copy, Debug)]
+enum Build {
+    Fastest,
+    Avx2,
+    Portable,
+}
+
+impl Build {
+    fn run<R>(self, f: impl FnOnce() -> R) -> R {
+        match self {
+            Build::Fastest => f(),
+            Build::Avx2 => at_most_avx2(f),
+            Build::Portable => portable_only(f),
+        }
+    }
+}
 
 /// Forward and backward of causal attention in f64 for one (batch, head) pair:
 /// `q`, `k`, `v`, `d_o` are `t × hd` row-major; returns `(o, dq, dk, dv)`.
@@ -57,6 +76,10 @@ fn reference(
 }
 
 fn run<T: Float>(b: usize, h: usize, t: usize, hd: usize, tol: f64) {
+    run_as::<T>(Build::Fastest, b, h, t, hd, tol)
+}
+
+fn run_as<T: Float>(build: Build, b: usize, h: usize, t: usize, hd: usize, tol: f64) {
     let dl = h * hd;
     let x64 = test_data(b * t * 3 * dl, 5, 1.5);
     let do64 = test_data(b * t * dl, 6, 1.0);
@@ -79,16 +102,18 @@ fn run<T: Float>(b: usize, h: usize, t: usize, hd: usize, tol: f64) {
         .build()
         .unwrap();
     let (o, dx) = pool.install(|| {
-        let o = attn.forward(&x, g).unwrap();
-        let dx = attn.backward_slices(&x, &o, &d_o, g).unwrap();
-        (o, dx)
+        build.run(|| {
+            let o = attn.forward(&x, g).unwrap();
+            let dx = attn.backward_slices(&x, &o, &d_o, g).unwrap();
+            (o, dx)
+        })
     });
     assert_eq!((o.len(), dx.len()), (b * t * dl, b * t * 3 * dl));
     let close = |what: &str, got: T, want: f64| {
         let got = got.to_f64();
         assert!(
             (got - want).abs() <= tol * (1.0 + want.abs()),
-            "{what} ({b}, {h}, {t}, {hd}): {got} vs {want}"
+            "{what} ({b}, {h}, {t}, {hd}), {build:?} build: {got} vs {want}"
         );
     };
     for bi in 0..b {
@@ -157,5 +182,23 @@ fn empty_sequences_and_batches_give_empty_results() {
         let o = attn.forward::<f32>(&[], g).unwrap();
         let dx = attn.backward_slices::<f32>(&[], &o, &[], g).unwrap();
         assert!(o.is_empty() && dx.is_empty(), "B = {b}, T = {t}");
+    }
+}
+
+/// The op end to end on each build of its kernels: on an AVX-512 CPU the AVX2 small
+/// products and transposes run only here and in their unit tests. T = 40 crosses the
+/// 16-row blocks and the 6 × 16 tile's row edges; hd = 20 is two whole vectors of 8
+/// columns and a masked rest.
+#[test]
+#[cfg_attr(
+    miri,
+    ignore = "Miri runs the portable path only, which the test above covers"
+)]
+fn every_build_matches_f64() {
+    if !avx2() {
+        eprintln!("note: no AVX2 and FMA here: the AVX2 build did not run");
+    }
+    for build in [Build::Fastest, Build::Avx2, Build::Portable] {
+        run_as::<f32>(build, 2, 2, 40, 20, 2e-5);
     }
 }
