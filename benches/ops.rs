@@ -234,6 +234,11 @@ fn elementwise(c: &mut Criterion) {
             })
         })
     });
+    g.bench_function("add_bias forward", |bch| {
+        bch.iter(|| {
+            one_thread(|| ops::add_bias(x.as_tensor(), b.as_tensor(), ops::OpsBackend::Fused))
+        })
+    });
     let h = var(&[TOKENS, 4 * D], 1.0);
     g.throughput(Throughput::Elements((TOKENS * 4 * D) as u64));
     g.bench_function("gelu forward+backward", |bch| {

@@ -12,8 +12,10 @@ use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor, D};
 use rayon::prelude::*;
 
-use crate::kernel::{self, slice, view, Float};
-use crate::linear::{add_rows, column_sums};
+use std::mem::MaybeUninit;
+
+use crate::kernel::{self, simd, slice, view, Float, Uninit};
+use crate::linear::column_sums;
 use crate::OpsBackend;
 
 /// `x + b` for `x` `[.., n]` and `b` `[n]`: the fused op on CPU f32 and f64 tensors
@@ -41,13 +43,34 @@ pub fn add_bias(x: &Tensor, b: &Tensor, backend: OpsBackend) -> Result<Tensor> {
 
 struct AddBias;
 
-fn forward<T: Float>(x: &[T], b: &[T]) -> Vec<T> {
-    let n = b.len().max(1);
-    let mut y = x.to_vec();
-    let per = kernel::rows_per_task(x.len() / n) * n;
-    y.par_chunks_mut(per.max(1))
-        .for_each(|rows| add_rows(rows, b));
-    y
+simd! {
+    /// `y = x + b` over the `b.len()`-wide rows of `x`, writing every element of `y`
+    /// (as long as `x`) in one pass.
+    fn rows_plus<T>(x: &[T], b: &[T], y: &mut [MaybeUninit<T>]) {
+        for (xr, yr) in x.chunks_exact(b.len()).zip(y.chunks_exact_mut(b.len())) {
+            for ((o, &v), &c) in yr.iter_mut().zip(xr).zip(b) {
+                o.write(v + c);
+            }
+        }
+    }
+}
+
+/// `x + b` row by row, one pass over `x` split over the pool's threads.
+fn forward<T: Float>(x: &[T], b: &[T]) -> Result<Vec<T>> {
+    let n = b.len();
+    if !x.len().is_multiple_of(n) {
+        bail!("add_bias: {} elements are not rows of {n}", x.len());
+    }
+    let mut y = Uninit::<T>::new(x.len())?;
+    let per = (kernel::rows_per_task(x.len() / n.max(1)) * n).max(1);
+    y.as_mut()
+        .par_chunks_mut(per)
+        .zip(x.par_chunks(per))
+        .for_each(|(y, x)| rows_plus(x, b, y));
+    // SAFETY: `x` is whole rows of `n` (checked above), so each task's chunk of `x` is
+    // whole rows and `rows_plus` wrote every element of its chunk of `y`, of the same
+    // length: together all `x.len()` elements.
+    Ok(unsafe { y.assume_init() })
 }
 
 impl CustomOp2 for AddBias {
@@ -64,8 +87,8 @@ impl CustomOp2 for AddBias {
     ) -> Result<(CpuStorage, Shape)> {
         let n = self.name();
         let out = match s1.dtype() {
-            DType::F32 => CpuStorage::F32(forward::<f32>(slice(s1, l1, n)?, slice(s2, l2, n)?)),
-            DType::F64 => CpuStorage::F64(forward::<f64>(slice(s1, l1, n)?, slice(s2, l2, n)?)),
+            DType::F32 => CpuStorage::F32(forward::<f32>(slice(s1, l1, n)?, slice(s2, l2, n)?)?),
+            DType::F64 => CpuStorage::F64(forward::<f64>(slice(s1, l1, n)?, slice(s2, l2, n)?)?),
             d => bail!("{n}: unsupported dtype {d:?}"),
         };
         Ok((out, l1.shape().clone()))
@@ -96,6 +119,26 @@ impl CustomOp2 for AddBias {
 mod tests {
     use super::*;
     use candle_core::{Device, Var};
+
+    /// The forward's one pass on slices (also under Miri, on two threads so that the
+    /// tasks write their chunks at once): every row, the last chunk's short tail too.
+    #[test]
+    fn the_forward_adds_the_bias_to_every_row() {
+        let (rows, n) = (13, 5);
+        let x = kernel::test_data(rows * n, 3, 2.0);
+        let b = kernel::test_data(n, 4, 1.0);
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .unwrap();
+        let y = pool.install(|| forward::<f64>(&x, &b)).unwrap();
+        assert_eq!(y.len(), rows * n);
+        for (i, (&got, &v)) in y.iter().zip(&x).enumerate() {
+            assert_eq!(got, v + b[i % n], "element {i}");
+        }
+        assert!(forward::<f64>(&x[..7], &b).is_err());
+        assert!(forward::<f64>(&[], &[]).unwrap().is_empty());
+    }
 
     #[test]
     #[cfg_attr(miri, ignore = "candle's tensors read /sys")]

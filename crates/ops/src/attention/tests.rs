@@ -96,7 +96,8 @@ fn run_as<T: Float>(build: Build, b: usize, h: usize, t: usize, hd: usize, tol: 
         hd,
         scale: 1.0 / (hd as f64).sqrt(),
     };
-    // Two threads, so that pairs really run at once (also under Miri).
+    // Two threads: under Miri each pair is a task, so pairs run at once; elsewhere
+    // only shapes of more than `pairs_per_task` pairs are split.
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(2)
         .build()
@@ -186,9 +187,11 @@ fn empty_sequences_and_batches_give_empty_results() {
 }
 
 /// The op end to end on each build of its kernels: on an AVX-512 CPU the AVX2 small
-/// products and transposes run only here and in their unit tests. T = 40 crosses the
-/// 16-row blocks and the 6 × 16 tile's row edges; hd = 20 is two whole vectors of 8
-/// columns and a masked rest.
+/// products and transposes run only here and in their unit tests. T = 72 crosses the
+/// 16-row blocks (the last of 8 rows) and the 6 × 16 tile's row edges; hd = 20 is two
+/// whole vectors of 8 columns and a masked rest; the 24 pairs are more than
+/// `pairs_per_task` (11 here), so the pool's two threads each run some, under the
+/// ceiling they inherit.
 #[test]
 #[cfg_attr(
     miri,
@@ -198,7 +201,18 @@ fn every_build_matches_f64() {
     if !avx2() {
         eprintln!("note: no AVX2 and FMA here: the AVX2 build did not run");
     }
+    let (b, h, t, hd) = (2, 12, 72, 20);
+    assert!(
+        b * h
+            > super::pairs_per_task(Geo {
+                b,
+                t,
+                h,
+                hd,
+                scale: 1.0
+            })
+    );
     for build in [Build::Fastest, Build::Avx2, Build::Portable] {
-        run_as::<f32>(build, 2, 2, 40, 20, 2e-5);
+        run_as::<f32>(build, b, h, t, hd, 2e-5);
     }
 }

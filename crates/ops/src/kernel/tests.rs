@@ -158,3 +158,37 @@ fn matmul_refuses_a_short_destination() {
         false,
     );
 }
+
+/// A test's ceiling reaches a task on another thread that inherits it, and only that
+/// task: the thread's own ceiling is put back after it, also when it panics.
+#[test]
+fn a_ceiling_reaches_the_tasks_that_inherit_it() {
+    let (best, best_avx2) = (avx512(), avx2());
+    let (inherited, plain) = at_most_avx2(|| {
+        let ceiling = Inherited::here();
+        std::thread::scope(|s| {
+            let inherited = s.spawn(move || ceiling.run(|| (avx512(), avx2())));
+            let plain = s.spawn(avx512);
+            (inherited.join().unwrap(), plain.join().unwrap())
+        })
+    });
+    assert_eq!(
+        inherited,
+        (false, best_avx2),
+        "under the inherited AVX2 ceiling"
+    );
+    assert_eq!(
+        plain, best,
+        "a thread that inherits nothing runs the best build"
+    );
+    let portable = portable_only(Inherited::here);
+    let panicked = std::panic::catch_unwind(|| {
+        portable.run(|| panic!("a deliberate panic, after which the ceiling must be put back"))
+    });
+    assert!(panicked.is_err());
+    assert_eq!(
+        (avx512(), avx2()),
+        (best, best_avx2),
+        "the ceiling is put back"
+    );
+}
