@@ -16,7 +16,8 @@
 //! `A_s = 4 · (tokens · (a_s + i_s) + per-microbatch)` bytes (`a_s`: the saved elements
 //! per token the model declares; `i_s`: its input's, which the executor copies into a
 //! variable of its own to take its gradient, on every stage but the first). A backward holds, on top of everything live, the stage's new
-//! parameter gradients `G_s = 4·Ψ_s` and the gradients flowing back
+//! parameter gradients `G_s = 4·Ψ_s` (one segment's at a time where the data-parallel
+//! all-reduce overlaps the backward, which then runs segment by segment) and the gradients flowing back
 //! (`tokens · backward_per_token · 4`); then it frees `A_s`, and adds `G_s` into the
 //! gradients kept from earlier microbatches one tensor at a time (the new ones and one
 //! sum live at once), or keeps them when they are the first. A split backward's `I`
@@ -295,6 +296,9 @@ pub fn estimate_memory<M: Model>(cfg: &TrainConfig<M>) -> Result<Vec<RankEstimat
         };
         let shards = ELEM * sharded;
         let segmented = cfg.zero >= 2;
+        // With the overlapped all-reduce (`overlap_grad_reduce`, no ZeRO) a backward runs
+        // segment by segment too, and hands each segment's new gradients to the sums.
+        let by_segment = cfg.overlaps_grad_reduce();
         let zero3 = cfg.zero == 3;
         let (on_rank, on_pool) = mine
             .iter()
@@ -386,9 +390,11 @@ pub fn estimate_memory<M: Model>(cfg: &TrainConfig<M>) -> Result<Vec<RankEstimat
                 }
                 Op::B | Op::I => {
                     // The backward: its activations, the new gradients (a split one's
-                    // copies for `W` instead), what flows back.
+                    // copies for `W` instead; one segment's at a time when the backward
+                    // runs by segment), what flows back.
                     let new = match a.op {
                         Op::I => b.pending(),
+                        _ if by_segment => b.grads.min(ELEM * segment),
                         _ => b.grads,
                     };
                     t.observe(new + b.backward, 0);
@@ -399,7 +405,7 @@ pub fn estimate_memory<M: Model>(cfg: &TrainConfig<M>) -> Result<Vec<RankEstimat
                     }
                     match (a.op, *k) {
                         // Added into the kept sum one tensor at a time.
-                        (Op::B, true) => t.observe(b.grads + b.largest, 0),
+                        (Op::B, true) => t.observe(new + b.largest, 0),
                         (Op::B, false) => t.grads += b.grads,
                         // A split backward's wait for `W`: the gradients, or the copies
                         // the deferred weight products read.
