@@ -22,7 +22,9 @@
 //! gradients kept from earlier microbatches one tensor at a time (the new ones and one
 //! sum live at once), or keeps them when they are the first. A split backward's `I`
 //! keeps what its `W` reads (`deferred_per_token`; `G_s` when `I` runs it all), and `W`
-//! computes `G_s` beside it, frees it and adds `G_s` in. A gradient a rank sends back stays
+//! computes `G_s` one op at a time, freeing each op's copies as it goes, and adds `G_s`
+//! in. (By segment, last first, an `I` also frees each segment's activations as it makes
+//! that segment's copies.) A gradient a rank sends back stays
 //! its memory until the previous stage's backward has used it (the in-process transport
 //! moves tensors without copying; when is the schedule simulator's). After the last
 //! action every parameter has a gradient (`4·Ψ`), and the step adds at most one of: the
@@ -203,9 +205,10 @@ pub fn estimate_memory<M: Model>(cfg: &TrainConfig<M>) -> Result<Vec<RankEstimat
                     Recompute::Selective => a.per_token - a.selective_per_token,
                     _ => a.per_token,
                 };
-                // ZeRO 2 and 3 run the stage segment by segment: each segment after the
-                // first keeps its input as a variable of its own too.
-                let boundaries = match cfg.zero >= 2 {
+                // ZeRO 2 and 3, and the overlapped all-reduce, run the stage segment by
+                // segment: each segment after the first keeps its input as a variable of
+                // its own too.
+                let boundaries = match cfg.zero >= 2 || cfg.overlaps_grad_reduce() {
                     true => (a.segments - 1) as f64 * a.segment_input_per_token,
                     false => 0.0,
                 };
@@ -243,6 +246,7 @@ pub fn estimate_memory<M: Model>(cfg: &TrainConfig<M>) -> Result<Vec<RankEstimat
                 + ELEM * a.backward_scratch_per_thread * threads,
             largest: ELEM * f.largest,
             input: bytes(tokens * a.input_per_token),
+            segments: a.segments.max(1),
         }
     };
     let mut out = Vec::with_capacity(cfg.pp);
@@ -397,7 +401,20 @@ pub fn estimate_memory<M: Model>(cfg: &TrainConfig<M>) -> Result<Vec<RankEstimat
                         _ if by_segment => b.grads.min(ELEM * segment),
                         _ => b.grads,
                     };
-                    t.observe(new + b.backward, 0);
+                    if a.op == Op::I && by_segment {
+                        // By segment, the last first: each segment's graph goes as its
+                        // copies for `W` are made, so what is held moves linearly from
+                        // one segment's copies beside every activation to all of them
+                        // beside the first segment's.
+                        let n = b.segments;
+                        t.observe(new / n + b.backward, 0);
+                        let before = t.acts;
+                        t.acts = before.saturating_sub(b.saved / n * (n - 1));
+                        t.observe(new + b.backward, 0);
+                        t.acts = before;
+                    } else {
+                        t.observe(new + b.backward, 0);
+                    }
                     t.acts = t.acts.saturating_sub(b.saved);
                     if s > 0 {
                         let until = consumed.get(&(a.stage - 1, a.microbatch)).copied();
@@ -423,8 +440,11 @@ pub fn estimate_memory<M: Model>(cfg: &TrainConfig<M>) -> Result<Vec<RankEstimat
                         (0, false) => {}
                         // The deferred products' gradients beside the copies they read;
                         // the copies go, the gradients into the sum (or are kept).
+                        // The deferred jobs run one op at a time, each freeing its
+                        // copies as its gradients come: the copies and at most about a
+                        // segment's gradients, never both whole.
                         (d, kept) => {
-                            t.observe(b.grads, 0);
+                            t.observe(b.grads.min(ELEM * segment), 0);
                             t.grads -= d;
                             match kept {
                                 true => t.observe(b.grads + b.largest, 0),
@@ -506,6 +526,8 @@ struct StageBytes {
     backward: usize,
     largest: usize,
     input: usize,
+    /// The segments a backward by segment runs, one after the other.
+    segments: usize,
 }
 
 impl StageBytes {
