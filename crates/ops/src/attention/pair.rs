@@ -69,21 +69,8 @@ pub(super) fn forward_pair<T: Float>(
     let (s, kt) = scratch.split_at_mut(t * t);
     let kt = transposed(km, t, hd, kt);
     // Row blocks: rows r0..r1 only see keys 0..r1.
-    for (r0, r1) in blocks(t) {
-        let qb = Mat {
-            data: &qm.data[r0 * ld..],
-            ..qm
-        };
-        matmul(
-            r1 - r0,
-            r1,
-            hd,
-            Dst::Set(&mut s[r0 * t..]),
-            t,
-            qb,
-            kt,
-            false,
-        );
+    for rows in blocks(t) {
+        score_rows(qm, kt, rows, (ld, hd, t), s);
     }
     softmax_causal(s, t, t, g.scale, lse);
     for (r0, r1) in blocks(t) {
@@ -139,24 +126,11 @@ pub(super) fn backward_pair<T: Float>(
     };
     row_dots(&d_o[oo..], &o[oo..], dl, hd, dsum);
     for (r0, r1) in blocks(t) {
-        let qb = Mat {
-            data: &qm.data[r0 * ld..],
-            ..qm
-        };
         let db = Mat {
             data: &dom.data[r0 * dl..],
             ..dom
         };
-        matmul(
-            r1 - r0,
-            r1,
-            hd,
-            Dst::Set(&mut s[r0 * t..]),
-            t,
-            qb,
-            kt,
-            false,
-        );
+        score_rows(qm, kt, (r0, r1), (ld, hd, t), s);
         matmul(
             r1 - r0,
             r1,
@@ -197,4 +171,30 @@ pub(super) fn backward_pair<T: Float>(
             matmul_raw(w, hd, c1, d.add(q + c0 * ld), ld, false, ds_r, km, false);
         }
     }
+}
+
+/// Rows `r0..r1` of the causal scores `q·kᵀ` (only keys `0..r1`: the rows see no later
+/// key), written into `s` of row stride `t`; `q` has row stride `ld` and `hd` columns.
+/// The forward computes them, and the backward again.
+fn score_rows<T: Float>(
+    qm: Mat<T>,
+    kt: Mat<T>,
+    (r0, r1): (usize, usize),
+    (ld, hd, t): (usize, usize, usize),
+    s: &mut [T],
+) {
+    let qb = Mat {
+        data: &qm.data[r0 * ld..],
+        ..qm
+    };
+    matmul(
+        r1 - r0,
+        r1,
+        hd,
+        Dst::Set(&mut s[r0 * t..]),
+        t,
+        qb,
+        kt,
+        false,
+    );
 }
