@@ -239,6 +239,26 @@ fn elementwise(c: &mut Criterion) {
             one_thread(|| ops::add_bias(x.as_tensor(), b.as_tensor(), ops::OpsBackend::Fused))
         })
     });
+    // A residual sum, plain and with GPT-2's dropout on its branch (the mask drawn from
+    // each element's place, in the same pass): what hidden dropout adds to a sum.
+    let (r, a) = (var(&[8, TOKENS / 8, D], 1.0), var(&[8, TOKENS / 8, D], 1.0));
+    let mask = ops::DropoutMask {
+        p: 0.1,
+        key: ops::DropoutMask::step_key(1, 0),
+        site: 1,
+        first_row: 0,
+        first_position: 0,
+    };
+    g.bench_function("residual sum forward", |bch| {
+        bch.iter(|| one_thread(|| r.as_tensor() + a.as_tensor()))
+    });
+    g.bench_function("dropout_add forward", |bch| {
+        bch.iter(|| {
+            one_thread(|| {
+                ops::dropout_add(r.as_tensor(), a.as_tensor(), &mask, ops::OpsBackend::Fused)
+            })
+        })
+    });
     let h = var(&[TOKENS, 4 * D], 1.0);
     g.throughput(Throughput::Elements((TOKENS * 4 * D) as u64));
     g.bench_function("gelu forward+backward", |bch| {

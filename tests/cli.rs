@@ -583,7 +583,14 @@ fn a_damaged_export_is_refused_by_eval_sample_and_init_and_a_foreign_file_loads_
 fn report_json_holds_every_ranks_measured_memory() {
     let dir = scratch("report-json");
     let path = dir.join("report.json");
-    let args = tiny(&["--steps", "2", "--report-json", path.to_str().unwrap()]);
+    let args = tiny(&[
+        "--steps",
+        "2",
+        "--hidden-dropout",
+        "0.1",
+        "--report-json",
+        path.to_str().unwrap(),
+    ]);
     ok(&strs(&args));
     let r: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
     assert_eq!(r["layout"]["pp"], 2);
@@ -603,6 +610,7 @@ fn report_json_holds_every_ranks_measured_memory() {
         assert!(rank["tokens_per_s"].as_f64().unwrap() > 0.0, "{rank}");
     }
     assert!(r["config"]["model"]["d_model"] == 16);
+    assert!(r["config"]["model"]["hidden_dropout"] == 0.1);
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

@@ -208,6 +208,16 @@ fn float_flags_are_checked_by_value_and_named() {
             "1.5",
             "--beta2 must be at least 0 and below 1, got 1.5",
         ),
+        (
+            "--hidden-dropout",
+            "1",
+            "hidden_dropout (--hidden-dropout) must be at least 0 and below 1, got 1",
+        ),
+        (
+            "--hidden-dropout",
+            "nan",
+            "hidden_dropout (--hidden-dropout) must be at least 0 and below 1, got NaN",
+        ),
         ("--eps", "0", "--eps must be a positive number, got 0"),
         ("--eps", "-0.5", "--eps must be a positive number, got -0.5"),
         ("--eps", "inf", "--eps must be a positive number, got inf"),

@@ -21,6 +21,7 @@ pub fn cases(p: &Preset) -> Vec<Case> {
         precision: Precision::F32,
         overlap_grad_reduce: true,
         sequence_parallel: false,
+        hidden_dropout: 0.0,
     };
     let m = p.microbatches;
     // Interleaved 1F1B needs two model chunks per pipeline rank: 4 layers at pp 2.
@@ -92,6 +93,37 @@ pub fn cases(p: &Preset) -> Vec<Case> {
                 1,
             )
         },
+        // With GPT-2's dropout, which sequence parallelism splits too: one worker, plain
+        // tp 2 and tp 2 with the split (issue 17 §4's speed-ups over one worker).
+        Case {
+            hidden_dropout: 0.1,
+            ..case(
+                "1 worker, dropout 0.1",
+                1,
+                1,
+                1,
+                1,
+                ScheduleKind::OneFOneB,
+                1,
+            )
+        },
+        Case {
+            hidden_dropout: 0.1,
+            ..case("tp 2, dropout 0.1", 1, 1, 2, 1, ScheduleKind::OneFOneB, 1)
+        },
+        Case {
+            hidden_dropout: 0.1,
+            sequence_parallel: true,
+            ..case(
+                "tp 2, sequence parallel, dropout 0.1",
+                1,
+                1,
+                2,
+                1,
+                ScheduleKind::OneFOneB,
+                1,
+            )
+        },
         case("dp 2", 2, 1, 1, 1, ScheduleKind::OneFOneB, 1),
         // The gradient all-reduce after the whole backward, against the row above
         // (issue 17 §3: overlapped, under half of it exposed).
@@ -134,6 +166,7 @@ pub fn config(p: &Preset, c: &Case) -> TrainConfig<GptConfig> {
         model: GptConfig {
             ops: c.ops,
             precision: c.precision,
+            hidden_dropout: c.hidden_dropout,
             ..p.model.clone()
         },
         dp: c.dp,

@@ -73,6 +73,7 @@ impl Preset {
             ops: OpsBackend::Fused,
             precision: Precision::F32,
             moe: Default::default(),
+            hidden_dropout: 0.0,
         };
         let (m, batch, t, warmup, steps) = match name {
             "reference" => (model(256, 8, 8, 128), 32, 128, 2, 5),
@@ -183,6 +184,9 @@ pub struct Case {
     /// sequence (`--sequence-parallel`).
     #[serde(default)]
     pub sequence_parallel: bool,
+    /// Hidden dropout's rate (`--hidden-dropout`; 0: none).
+    #[serde(default)]
+    pub hidden_dropout: f64,
 }
 
 fn yes() -> bool {
@@ -257,6 +261,7 @@ pub fn probe(compute: Compute, d: usize, t: usize) -> GptConfig {
         ops: compute.0,
         precision: compute.1,
         moe: Default::default(),
+        hidden_dropout: 0.0,
     }
 }
 

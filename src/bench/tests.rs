@@ -36,6 +36,7 @@ fn flops_per_token_counts_the_products_a_token_needs() {
         ops: OpsBackend::Fused,
         precision: Precision::F32,
         moe: Default::default(),
+        hidden_dropout: 0.0,
     };
     p.seq_len = 3;
     // Forward, per token: a weight matrix `a × b` (with its bias) costs 2ab for the

@@ -82,6 +82,11 @@ pub struct TrainArgs {
     pub layers: Option<usize>,
     #[arg(long)]
     pub heads: Option<usize>,
+    /// Hidden dropout while training: the probability of dropping each element of the
+    /// embeddings' output and of each residual branch (GPT-2 trained with 0.1), in
+    /// [0, 1); the same masks on every layout. Default 0
+    #[arg(long, value_name = "P")]
+    pub hidden_dropout: Option<f64>,
     #[command(flatten)]
     pub moe: MoeArgs,
     /// Share the token embedding with the LM head
@@ -275,7 +280,7 @@ pub fn resolve(
     set!(dp => dp, pp => pp, tp => tp, ep => ep, zero => zero, schedule => schedule, microbatches => microbatches,
         virtual_stages => virtual_stages, split => split, steps => steps, batch => batch,
         seq_len => seq_len, d_model => model.d_model, layers => model.n_layer,
-        heads => model.n_head, lr => lr, min_lr => min_lr, warmup => warmup,
+        heads => model.n_head, hidden_dropout => model.hidden_dropout, lr => lr, min_lr => min_lr, warmup => warmup,
         weight_decay => weight_decay, decay => decay, beta1 => beta1, beta2 => beta2,
         eps => eps, grad_clip => grad_clip, seed => seed,
         threads_per_worker => threads_per_worker, comm_timeout => comm_timeout_secs,

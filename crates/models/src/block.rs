@@ -7,6 +7,7 @@ use switchyard_shard::{
     ParallelSelfAttention, Precision, SequenceSplit, ShardSpec, TpGroup,
 };
 
+use crate::dropout::{block_sites, Dropouts};
 use crate::gpt::LN_EPS;
 use crate::GptConfig;
 
@@ -49,10 +50,17 @@ pub(crate) struct Block {
     /// backward from the LayerNorms' outputs (this rank's positions), which must stay;
     /// the sub-layers free the gathered copies themselves.
     sequence_parallel: bool,
+    /// Hidden dropout on the two residual branches, at these sites.
+    dropouts: Dropouts,
+    sites: (u64, u64),
+    seq: SequenceSplit,
+    ops: OpsBackend,
 }
 
 impl Block {
-    /// `x + attn(ln_1(x))`, then `+ mlp(ln_2(·))`.
+    /// `x + attn(ln_1(x))`, then `+ mlp(ln_2(·))`; while training with hidden dropout,
+    /// each branch is dropped out in its sum (`switchyard_ops::dropout_add`, which keeps
+    /// what the plain sum keeps).
     ///
     /// At bf16 on the fused backend, the LayerNorms' outputs (which the attention and
     /// the dense MLP keep rounded to bf16 themselves; not before a mixture of experts,
@@ -64,7 +72,7 @@ impl Block {
         let h = self.ln_1.forward(x)?;
         let a = self.attn.forward(&h)?;
         self.free_input(&h)?;
-        let x = (x + &a)?;
+        let x = self.residual(x, &a, self.sites.0)?;
         self.free(&a)?;
         let h = self.ln_2.forward(&x)?;
         let m = self.mlp.forward(&h)?;
@@ -72,9 +80,18 @@ impl Block {
         if let Ffn::Dense(_) = self.mlp {
             self.free_input(&h)?;
         }
-        let y = (&x + &m)?;
+        let y = self.residual(&x, &m, self.sites.1)?;
         self.free(&m)?;
         Ok(y)
+    }
+
+    /// `x + a`, with `a` dropped out at `site` while training with hidden dropout.
+    fn residual(&self, x: &Tensor, a: &Tensor, site: u64) -> Result<Tensor> {
+        let first = self.seq.first_position(a.dim(1)?);
+        match self.dropouts.mask(site, a, first)? {
+            Some(mask) => switchyard_ops::dropout_add(x, a, &mask, self.ops),
+            None => x + a,
+        }
     }
 
     /// Frees a sub-layer's input (a LayerNorm's output), unless the sub-layer gathers
@@ -92,6 +109,13 @@ impl Block {
             false => Ok(()),
         }
     }
+}
+
+/// What a stage's blocks share with it: the mixtures of experts' loss scale and counts,
+/// and hidden dropout's step.
+pub(crate) struct Shared<'a> {
+    pub(crate) moe: &'a MoeShared,
+    pub(crate) dropouts: &'a Dropouts,
 }
 
 /// A block's MLP: the dense one, or a mixture of experts of its shape.
@@ -118,8 +142,9 @@ impl Block {
         tp: &TpGroup,
         seq: &SequenceSplit,
         init: LayerInit,
-        moe: &MoeShared,
+        shared: Shared,
     ) -> Result<Block> {
+        let Shared { moe, dropouts } = shared;
         let d = cfg.d_model;
         // Created in the order of `GptConfig::param_shapes`.
         let ln_1 = LayerNorm::new(&vb.pp("ln_1"), d, seq)?;
@@ -144,6 +169,10 @@ impl Block {
             mlp,
             frees: cfg.precision == Precision::Bf16 && cfg.ops == OpsBackend::Fused,
             sequence_parallel: seq.is_on(),
+            dropouts: dropouts.clone(),
+            sites: block_sites(i),
+            seq: seq.clone(),
+            ops: cfg.ops,
         })
     }
 

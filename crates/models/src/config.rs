@@ -40,6 +40,18 @@ pub struct GptConfig {
     /// left out of the serialised config).
     #[serde(skip_serializing_if = "MoeConfig::is_dense")]
     pub moe: MoeConfig,
+    /// The probability of dropping each element of the embeddings' output and of each
+    /// residual branch before its sum, while training (Megatron-LM's `--hidden-dropout`;
+    /// GPT-2's `resid_pdrop` and `embd_pdrop`, 0.1 there), in `[0, 1)`. The masks depend
+    /// on each element's place in the step, not on the layout (`switchyard_ops::DropoutMask`).
+    /// How the model trains, not what it is: left out of the comparison and, at 0 (the
+    /// default), of the serialised config.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub hidden_dropout: f64,
+}
+
+fn is_zero(p: &f64) -> bool {
+    *p == 0.0
 }
 
 impl PartialEq for GptConfig {
@@ -120,6 +132,7 @@ impl Default for GptConfig {
             ops: OpsBackend::Fused,
             precision: Precision::F32,
             moe: MoeConfig::default(),
+            hidden_dropout: 0.0,
         }
     }
 }
@@ -137,6 +150,7 @@ impl GptConfig {
             ops: OpsBackend::Fused,
             precision: Precision::F32,
             moe: MoeConfig::default(),
+            hidden_dropout: 0.0,
         }
     }
 
@@ -163,6 +177,12 @@ impl GptConfig {
             )));
         }
         self.moe.validate(n_layer)?;
+        if !(0.0..1.0).contains(&self.hidden_dropout) {
+            return Err(ModelError::Config(format!(
+                "hidden_dropout (--hidden-dropout) must be at least 0 and below 1, got {}",
+                self.hidden_dropout
+            )));
+        }
         if d_model % n_head != 0 {
             return Err(ModelError::Config(format!(
                 "d_model {d_model} does not divide into {n_head} heads; choose d_model a multiple of the heads"
@@ -345,6 +365,7 @@ impl GptConfig {
             ops: OpsBackend::Fused,
             precision: Precision::F32,
             moe,
+            hidden_dropout: 0.0,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -388,6 +409,7 @@ mod tests {
             ops: OpsBackend::Fused,
             precision: Precision::F32,
             moe: MoeConfig::default(),
+            hidden_dropout: 0.0,
         };
         // nanoGPT reports 124.44M with the position table.
         assert_eq!(c.param_count(), 124_439_808);

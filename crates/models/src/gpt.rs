@@ -19,6 +19,7 @@ use switchyard_shard::{
 use std::collections::HashMap;
 
 use crate::block::{Block, LayerNorm};
+use crate::dropout::Dropouts;
 use crate::{
     gpt_layer_costs, Footprint, GptConfig, LayerCosts, Model, ModelError, ModelStage, StagePlan,
     Tied,
@@ -69,6 +70,9 @@ pub struct GptStage {
     /// The parameters of each segment (`Stage::segment_params`): the embeddings with the
     /// first block, the head with the last.
     segments: Vec<Vec<Var>>,
+    /// Hidden dropout's rate and the step and microbatch its masks are drawn for,
+    /// shared with the blocks.
+    dropouts: Dropouts,
 }
 
 impl GptStage {
@@ -94,6 +98,7 @@ impl GptStage {
         let first_param = store.len();
         let seq = SequenceSplit::new(&vb, tp.clone());
         let moe = MoeShared::default();
+        let dropouts = Dropouts::new(cfg.hidden_dropout);
         let d = cfg.d_model;
         let init = LayerInit {
             weight: Init::Normal { std: INIT_STD },
@@ -127,13 +132,17 @@ impl GptStage {
         };
         let embed_vars = store.vars()[embed_from..].to_vec();
         let mut block_vars = Vec::new();
+        let shared = || crate::block::Shared {
+            moe: &moe,
+            dropouts: &dropouts,
+        };
         let blocks = plan
             .blocks
             .clone()
             .map(|i| {
                 let vb = vb.pp(format!("transformer.h.{i}"));
                 let from = store.len();
-                let block = Block::new(cfg, i, &vb, &tp, &seq, init, &moe)?;
+                let block = Block::new(cfg, i, &vb, &tp, &seq, init, shared())?;
                 block_vars.push(store.vars()[from..].to_vec());
                 Ok(block)
             })
@@ -193,6 +202,7 @@ impl GptStage {
             moe,
             params,
             segments,
+            dropouts,
         })
     }
 
@@ -293,6 +303,10 @@ impl switchyard_pipeline::Stage for GptStage {
     fn split_backward(&self, split: bool) {
         self.blocks.iter().for_each(|b| b.set_split_backward(split));
     }
+    /// Hidden dropout's masks depend on the microbatch's rows in the batch.
+    fn microbatch(&self, microbatch: u32) {
+        self.dropouts.set_microbatch(microbatch)
+    }
     fn backward_weights(&self, _microbatch: u32) -> Result<Vec<(Var, Tensor)>> {
         let mut grads = Vec::new();
         for b in &self.blocks {
@@ -309,6 +323,9 @@ impl ModelStage for GptStage {
     /// The mixtures of experts' routing ([`switchyard_shard::MoeStats`]).
     fn take_metrics(&self) -> Vec<(String, f64)> {
         self.moe.stats.take()
+    }
+    fn set_dropout_step(&self, step: Option<crate::DropoutStep>) {
+        self.dropouts.set_step(step)
     }
 }
 
@@ -552,10 +569,28 @@ impl GptStage {
                 let tok = e.wte.forward(x)?;
                 let pos = e.wpe.as_tensor().narrow(0, 0, t)?;
                 // Sequence parallelism: this rank's positions from here to the LM head.
-                self.seq.split(&tok.broadcast_add(&pos)?)?
+                let h = self.seq.split(&tok.broadcast_add(&pos)?)?;
+                self.embedding_dropout(h)?
             }
             None => x.clone(),
         })
+    }
+
+    /// Hidden dropout on the embeddings' output `h` (site 0). Where the fused op runs,
+    /// its backward reads no values (nor do those of the sum and the split that made
+    /// `h`), so `h` is freed in place: dropout keeps no more than the embeddings alone.
+    fn embedding_dropout(&self, h: Tensor) -> Result<Tensor> {
+        let Some(mask) = self
+            .dropouts
+            .mask(0, &h, self.seq.first_position(h.dim(1)?))?
+        else {
+            return Ok(h);
+        };
+        let y = switchyard_ops::dropout(&h, &mask, self.ops)?;
+        if self.ops.fuses(&h) && h.is_contiguous() {
+            switchyard_shard::storage::free_in_place(&h)?;
+        }
+        Ok(y)
     }
 
     /// The logits slice on the last stage; the identity elsewhere.

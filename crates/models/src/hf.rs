@@ -58,8 +58,9 @@ pub fn config_json(cfg: &GptConfig) -> Value {
         "n_inner": null,
         "activation_function": "gelu_new",
         "layer_norm_epsilon": LN_EPS,
-        "resid_pdrop": 0.0,
-        "embd_pdrop": 0.0,
+        // Hidden dropout is GPT-2's residual and embedding dropout; its attention has none.
+        "resid_pdrop": cfg.hidden_dropout,
+        "embd_pdrop": cfg.hidden_dropout,
         "attn_pdrop": 0.0,
         "tie_word_embeddings": cfg.tied_embeddings,
         "scale_attn_weights": true,

@@ -46,6 +46,7 @@
 
 mod block;
 mod config;
+mod dropout;
 mod error;
 mod gpt;
 mod gpt_footprint;
@@ -59,6 +60,7 @@ pub mod sample;
 pub mod split;
 
 pub use config::{ops_serde, precision_serde, GptConfig};
+pub use dropout::DropoutStep;
 pub use error::ModelError;
 pub use gpt::{GptStage, INIT_STD, LN_EPS};
 pub use mlp::{MlpConfig, MlpStage};

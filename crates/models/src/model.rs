@@ -358,6 +358,13 @@ pub trait ModelStage: switchyard_pipeline::Stage {
     fn take_metrics(&self) -> Vec<(String, f64)> {
         Vec::new()
     }
+    /// The training step the forwards from now on belong to, or `None` after it: a
+    /// stage with dropout draws its masks from it (with `Stage::microbatch`), and drops
+    /// nothing without one. The trainer sets it around each step's pipeline pass.
+    /// Default: ignored.
+    fn set_dropout_step(&self, step: Option<crate::DropoutStep>) {
+        let _ = step;
+    }
 }
 
 /// One parameter that several stages use (a token embedding tied to the LM head).

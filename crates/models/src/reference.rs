@@ -5,6 +5,11 @@
 //! tensor operations, written out in full (`x·Wᵀ + b`, LayerNorm from mean and variance,
 //! a masked softmax, cross-entropy from log-sum-exp), one device, the whole batch at once.
 //! If a pipeline, tensor or data-parallel layout disagrees with this, the layout is wrong.
+//!
+//! With hidden dropout it multiplies each dropped-out tensor by its mask
+//! ([`switchyard_ops::DropoutMask::tensor`] of the whole batch: the one thing it shares
+//! with the model besides the weights, since the masks are what make a layout reproduce
+//! one device).
 
 use std::collections::HashMap;
 
@@ -16,6 +21,8 @@ use crate::{GptConfig, ModelError};
 pub struct ReferenceGpt {
     cfg: GptConfig,
     params: HashMap<String, Var>,
+    /// The training step its dropouts draw for, `(seed, step)`; none: nothing dropped.
+    dropout_step: Option<(u64, u64)>,
 }
 
 fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
@@ -49,7 +56,32 @@ impl ReferenceGpt {
         Ok(ReferenceGpt {
             cfg: cfg.clone(),
             params,
+            dropout_step: None,
         })
+    }
+
+    /// Forwards from now on are step `step` of a run seeded `seed`, whose batch they
+    /// compute whole: with hidden dropout they drop what the trainer drops on that step.
+    pub fn set_dropout_step(&mut self, seed: u64, step: u64) {
+        self.dropout_step = Some((seed, step));
+    }
+
+    /// `x` `[B, T, d]` dropped out at `site`: times its mask, or `x` with no dropout.
+    fn dropout(&self, x: &Tensor, site: u64) -> Result<Tensor> {
+        let (Some((seed, step)), p) = (self.dropout_step, self.cfg.hidden_dropout) else {
+            return Ok(x.clone());
+        };
+        if p == 0.0 {
+            return Ok(x.clone());
+        }
+        let mask = switchyard_ops::DropoutMask {
+            p,
+            key: switchyard_ops::DropoutMask::step_key(seed, step),
+            site,
+            first_row: 0,
+            first_position: 0,
+        };
+        x * mask.tensor(x.dims3()?, x.dtype(), x.device())?
     }
 
     /// The variables, by name (with tied embeddings, `lm_head.weight` is absent: the
@@ -80,7 +112,8 @@ impl ReferenceGpt {
             .p("transformer.wte.weight")?
             .index_select(&ids.flatten_all()?, 0)?;
         let pos = self.p("transformer.wpe.weight")?.narrow(0, 0, t)?;
-        let mut x = tok.reshape((b, t, d))?.broadcast_add(&pos)?;
+        // Dropout sites: 0 after the embeddings, 2l + 1 and 2l + 2 on block l's branches.
+        let mut x = self.dropout(&tok.reshape((b, t, d))?.broadcast_add(&pos)?, 0)?;
         let mut aux = Tensor::zeros((), x.dtype(), x.device())?;
         let mask: Vec<f32> = (0..t * t)
             .map(|i| {
@@ -107,7 +140,7 @@ impl ReferenceGpt {
             let y = softmax_last(&att)?.matmul(&v)?;
             let y = y.transpose(1, 2)?.reshape((b, t, d))?;
             let y = linear(&y, p("attn.c_proj.weight")?, Some(p("attn.c_proj.bias")?))?;
-            x = (x + y)?;
+            x = (x + self.dropout(&y, 2 * l as u64 + 1)?)?;
             let h = layer_norm(&x, p("ln_2.weight")?, p("ln_2.bias")?)?;
             let h = match c.moe.is_moe_layer(l) {
                 false => self.mlp(&h, &format!("transformer.h.{l}.mlp"))?,
@@ -117,7 +150,7 @@ impl ReferenceGpt {
                     h
                 }
             };
-            x = (x + h)?;
+            x = (x + self.dropout(&h, 2 * l as u64 + 2)?)?;
         }
         let x = layer_norm(
             &x,

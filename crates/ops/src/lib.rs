@@ -20,6 +20,8 @@
 //! | [`causal_attention_packed`] | the same on a fused `[B, T, 3·H·hd]` qkv projection, giving `[B, T, H·hd]` |
 //! | [`cross_entropy`] | `mean_i (logsumexp(z_i) − z_i[t_i])` |
 //! | [`cross_entropy_parallel`] | the same over a vocabulary-parallel slice of the logits |
+//! | [`dropout`] | `a ⊙ m / (1 − p)`, the mask `m` a hash of each element's place in the job ([`DropoutMask`]) |
+//! | [`dropout_add`] | `x + a ⊙ m / (1 − p)`: a residual sum with dropout on its branch, in one pass |
 //! | [`matmul_bf16`] | `a · b` with bf16 products and f32 sums (AMX, AVX-512 BF16 or emulated; see [`Bf16Kernel`]); no backward |
 //! | [`linear_bf16`] | `x · wᵀ + b` with bf16 products, f32 sums, an f32 master weight and a bf16 output; with its backward |
 //!
@@ -95,6 +97,7 @@ mod bf16;
 mod bias;
 pub mod composed;
 mod deferred;
+mod dropout;
 mod gelu;
 mod kernel;
 mod linear;
@@ -112,6 +115,7 @@ pub use backend::{OpsBackend, ParseOpsBackendError};
 pub use bf16::{linear_bf16, linear_bf16_on, matmul_bf16, matmul_bf16_with, Bf16Kernel};
 pub use bias::add_bias;
 pub use deferred::{DeferredWeights, WeightGradJob};
+pub use dropout::{dropout, dropout_add, DropoutMask};
 pub use gelu::gelu;
 pub use kernel::product_path;
 pub use linear::{linear, linear_gelu, linear_with, LinearOptions, Reduce, Regather};

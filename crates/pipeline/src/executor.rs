@@ -301,6 +301,7 @@ impl<'a> Executor<'a> {
                 Op::F => {
                     let stage = self.stage(s)?;
                     stage.split_backward(split.contains(&key));
+                    stage.microbatch(m);
                     let (x, input) = if s == 0 {
                         let Some(x) = mb.inputs.get(m as usize) else {
                             return Err(PipelineError::MissingMicrobatch {
@@ -404,6 +405,7 @@ impl<'a> Executor<'a> {
                         .into()
                     };
                     stage.split_backward(a.op == Op::I);
+                    stage.microbatch(m);
                     let hooked = self.hooked(s);
                     // With hooks, a `B` hands each segment's gradients over as soon as
                     // its backward is done; otherwise they are collected (and an `I`

@@ -57,6 +57,13 @@ pub trait Stage: Send + Sync {
     fn split_backward(&self, split: bool) {
         let _ = split;
     }
+    /// Called before every forward the executor runs, with its microbatch (also before
+    /// a backward, whose activation recomputation runs the forward again): a stage
+    /// whose forward depends on which microbatch it computes (dropout masks drawn by
+    /// each element's place in the batch) looks it up here. Default: nothing.
+    fn microbatch(&self, microbatch: u32) {
+        let _ = microbatch;
+    }
     /// The weight-gradient half of a split backward: called when the executor runs `W`
     /// for `microbatch`. Returns the gradients it computed, each with its parameter (one
     /// of [`Stage::params`]); the executor adds them to those the `I` before it kept,

@@ -100,6 +100,15 @@ impl SequenceSplit {
         self.comm.is_some()
     }
 
+    /// The position, in the whole sequence, of the first of a tensor's `local`
+    /// positions: `r · local` on rank `r` of the split, 0 when off.
+    pub fn first_position(&self, local: usize) -> usize {
+        match &self.comm {
+            Some(c) => c.rank() * local,
+            None => 0,
+        }
+    }
+
     /// Enters the split: a replicated `[B, T, d]` to this rank's `[B, T/p, d]` (no
     /// communication); the backward all-gathers the gradient. `T` must divide by `p`.
     pub fn split(&self, x: &Tensor) -> Result<Tensor> {

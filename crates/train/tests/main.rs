@@ -8,6 +8,7 @@ mod common;
 mod checkpoint;
 mod checkpoint_dir;
 mod data;
+mod dropout;
 mod moe;
 mod no_gpt;
 mod overlap;

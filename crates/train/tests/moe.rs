@@ -7,26 +7,11 @@
 
 use crate::common::*;
 use switchyard_models::{GptConfig, MoeConfig};
+
+use crate::common::tiny_moe as moe;
 use switchyard_train::data::Corpus;
 use switchyard_train::testing::{schedules, LAYOUTS};
 use switchyard_train::{train, Recompute, TrainConfig, TrainOptions};
-
-/// [`tiny`] with 4 experts (top 2) in blocks 1, 3, 5 and 7, and two sequences a
-/// microbatch (the balancing loss is a mean over sequences).
-fn moe(dp: usize, pp: usize, tp: usize, schedule: &str) -> TrainConfig<GptConfig> {
-    let mut c = tiny(dp, pp, tp, schedule);
-    c.batch = 8 * dp;
-    c.model.moe = MoeConfig {
-        experts: 4,
-        top_k: 2,
-        every: 2,
-        capacity_factor: 0.0,
-        aux_loss_coef: 0.01,
-        z_loss_coef: 0.0,
-        ffn_hidden: 0,
-    };
-    c
-}
 
 #[test]
 fn every_layout_and_schedule_matches_the_reference() {

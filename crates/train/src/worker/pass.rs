@@ -4,7 +4,7 @@
 //! data-parallel group's exposed communication measured from every rank's times.
 
 use candle_core::{Tensor, Var};
-use switchyard_models::{Model, ModelStage};
+use switchyard_models::{DropoutStep, Model, ModelStage};
 use switchyard_pipeline::{Executor, Microbatches, Stage, StepStats};
 
 use super::overlap::{GradReduceStats, ReduceHooks, Reduced};
@@ -62,6 +62,9 @@ impl<S: ModelStage> Stage for Wrapped<'_, S> {
     fn split_backward(&self, split: bool) {
         self.stage.split_backward(split)
     }
+    fn microbatch(&self, microbatch: u32) {
+        self.stage.microbatch(microbatch)
+    }
     fn backward_weights(&self, microbatch: u32) -> candle_core::Result<Vec<(Var, Tensor)>> {
         self.stage.backward_weights(microbatch)
     }
@@ -94,6 +97,25 @@ impl<S: ModelStage> Stage for Wrapped<'_, S> {
     }
 }
 
+/// Tells a rank's stages which step their dropouts draw masks for, and when dropped
+/// (after the pass, also after an error) that the step is over.
+struct InStep<'a, S: ModelStage>(&'a [(u32, S)]);
+
+impl<'a, S: ModelStage> InStep<'a, S> {
+    fn new(stages: &'a [(u32, S)], step: DropoutStep) -> Self {
+        stages
+            .iter()
+            .for_each(|(_, s)| s.set_dropout_step(Some(step)));
+        InStep(stages)
+    }
+}
+
+impl<S: ModelStage> Drop for InStep<'_, S> {
+    fn drop(&mut self) {
+        self.0.iter().for_each(|(_, s)| s.set_dropout_step(None));
+    }
+}
+
 impl<M: Model> Worker<'_, M> {
     /// [`Worker::compute_grads`] with `hooks`: under [`Hooks::Zero`] the gradients of
     /// the segments' buckets come back as this replica's summed shards, under
@@ -108,6 +130,12 @@ impl<M: Model> Worker<'_, M> {
             .data
             .batch(&Sampler::of(c), step, first..first + per_replica)?;
         let (x, y) = (self.on_device(&x)?, self.on_device(&y)?);
+        let step_rows = DropoutStep {
+            seed: c.seed,
+            step: step as u64,
+            first_row: first,
+        };
+        let _in_step = InStep::new(&self.stages, step_rows);
         let inputs = (0..m)
             .map(|i| x.narrow(0, i * mbs, mbs))
             .collect::<candle_core::Result<Vec<_>>>()?;

@@ -38,6 +38,23 @@ pub fn tiny(dp: usize, pp: usize, tp: usize, schedule: &str) -> TrainConfig<GptC
     c
 }
 
+/// [`tiny`] with 4 experts (top 2) in blocks 1, 3, 5 and 7, and two sequences a
+/// microbatch (the balancing loss is a mean over sequences).
+pub fn tiny_moe(dp: usize, pp: usize, tp: usize, schedule: &str) -> TrainConfig<GptConfig> {
+    let mut c = tiny(dp, pp, tp, schedule);
+    c.batch = 8 * dp;
+    c.model.moe = switchyard_models::MoeConfig {
+        experts: 4,
+        top_k: 2,
+        every: 2,
+        capacity_factor: 0.0,
+        aux_loss_coef: 0.01,
+        z_loss_coef: 0.0,
+        ffn_hidden: 0,
+    };
+    c
+}
+
 /// [`tiny`] computing with `ops`.
 pub fn tiny_ops(
     dp: usize,
@@ -87,7 +104,8 @@ pub fn reference_step(
     weights: &HashMap<String, Tensor>,
     step: usize,
 ) -> (f64, HashMap<String, Tensor>) {
-    let model = ReferenceGpt::new(&cfg.model, weights).unwrap();
+    let mut model = ReferenceGpt::new(&cfg.model, weights).unwrap();
+    model.set_dropout_step(cfg.seed, step as u64);
     let (x, y) = Corpus::bundled()
         .batch(&Sampler::of(cfg), step, 0..cfg.batch)
         .unwrap();
@@ -96,7 +114,7 @@ pub fn reference_step(
 
 /// The reference trained for `cfg.steps` steps with the trainer's optimizer rules.
 pub fn reference_curve(cfg: &TrainConfig<GptConfig>) -> Vec<f64> {
-    let model = ReferenceGpt::new(&cfg.model, &initial_weights(cfg)).unwrap();
+    let mut model = ReferenceGpt::new(&cfg.model, &initial_weights(cfg)).unwrap();
     let mut names: Vec<&String> = model.params().keys().collect();
     names.sort();
     let vars: Vec<_> = names.iter().map(|n| model.params()[*n].clone()).collect();
@@ -110,6 +128,7 @@ pub fn reference_curve(cfg: &TrainConfig<GptConfig>) -> Vec<f64> {
     let corpus = Corpus::bundled();
     let mut losses = Vec::new();
     for step in 0..cfg.steps {
+        model.set_dropout_step(cfg.seed, step as u64);
         let (x, y) = corpus.batch(&Sampler::of(cfg), step, 0..cfg.batch).unwrap();
         let (loss, objective) = model.objective(&x, &y).unwrap();
         let g = objective.backward().unwrap();
