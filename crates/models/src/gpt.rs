@@ -587,7 +587,7 @@ impl GptStage {
             return Ok(h);
         };
         let y = switchyard_ops::dropout(&h, &mask, self.ops)?;
-        if self.ops.fuses(&h) && h.is_contiguous() {
+        if self.ops.fuses(&h) && switchyard_shard::storage::can_free_in_place(&h) {
             switchyard_shard::storage::free_in_place(&h)?;
         }
         Ok(y)

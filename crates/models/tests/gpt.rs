@@ -127,3 +127,49 @@ fn the_footprint_counts_what_each_stage_builds() {
         }
     }
 }
+
+/// Hidden dropout drops only inside a training step: a stage with a rate but no step
+/// (evaluation, sampling) computes what a stage without dropout computes; with a step
+/// set it drops (and another microbatch draws other masks); with the step unset again
+/// it drops nothing.
+#[test]
+fn dropout_drops_only_while_a_step_is_set() {
+    use candle_core::{Device, Tensor};
+    use switchyard_models::{DropoutStep, ModelStage};
+    use switchyard_pipeline::Stage;
+    let stage = |p: f64| {
+        let mut cfg = GptConfig::tiny(2);
+        cfg.hidden_dropout = p;
+        let plans = plan_stages(&gpt_layer_costs(&cfg, 8), 1, &SplitSpec::Even).unwrap();
+        let store = ParamStore::new(DType::F32, 0, 1, ParamSource::Init { seed: 1 }).unwrap();
+        GptStage::new(&cfg, &plans[0], &store, switchyard_shard::single_device()).unwrap()
+    };
+    let ids = Tensor::new(
+        &[[1u32, 2, 3, 4, 5, 6, 7, 8], [8, 7, 6, 5, 4, 3, 2, 1]],
+        &Device::Cpu,
+    )
+    .unwrap();
+    let logits = |s: &GptStage| -> Vec<f32> {
+        Stage::forward(s, &ids)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap()
+    };
+    let (plain, dropping) = (stage(0.0), stage(0.1));
+    let want = logits(&plain);
+    assert_eq!(logits(&dropping), want, "no step: nothing dropped");
+    dropping.set_dropout_step(Some(DropoutStep {
+        seed: 1,
+        step: 0,
+        first_row: 0,
+    }));
+    Stage::microbatch(&dropping, 0);
+    let first = logits(&dropping);
+    assert_ne!(first, want, "a step set: dropped");
+    Stage::microbatch(&dropping, 1);
+    assert_ne!(logits(&dropping), first, "another microbatch: other masks");
+    dropping.set_dropout_step(None);
+    assert_eq!(logits(&dropping), want, "the step unset: nothing dropped");
+}

@@ -9,9 +9,10 @@
 //! sequence. A worker that holds a slice of the batch (data parallelism, microbatches) or
 //! of the sequence (sequence parallelism) says where its slice starts
 //! ([`DropoutMask::first_row`], [`DropoutMask::first_position`]) and draws exactly the
-//! elements one device would have drawn for them. So every layout trains the same model
-//! as one device, bit for bit, with dropout on; and under tensor parallelism the ranks that
-//! replicate an activation drop the same elements without exchanging a seed or a mask.
+//! elements one device would have drawn for them, bit for bit. So every layout trains the
+//! same model as one device with dropout on (up to the rounding of its sums, as without
+//! it); and under tensor parallelism the ranks that replicate an activation drop the same
+//! elements without exchanging a mask or any random state.
 //! (Megatron-LM forks its CUDA RNG state per tensor-parallel region instead, so its masks
 //! change with the layout.)
 //!

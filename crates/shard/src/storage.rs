@@ -29,6 +29,12 @@ fn check_whole(what: &str, t: &Tensor) -> Result<()> {
     Ok(())
 }
 
+/// Whether [`free_in_place`] takes `t`: a contiguous CPU tensor from offset 0 of its
+/// storage.
+pub fn can_free_in_place(t: &Tensor) -> bool {
+    check_whole("free in place", t).is_ok()
+}
+
 /// Frees the values of `t` (and of every tensor that shares its storage), keeping the
 /// tensor: its storage becomes empty until [`fill_in_place`].
 pub fn free_in_place(t: &Tensor) -> Result<()> {

@@ -255,3 +255,65 @@ impl<M: Model> Worker<'_, M> {
         g.imbalance = us(max(&|x| x.0) - min_end);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use super::*;
+
+    /// A stage that records the dropout steps it is told.
+    #[derive(Default)]
+    struct Probe(Mutex<Vec<Option<DropoutStep>>>);
+
+    impl Stage for Probe {
+        fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+            Ok(x.clone())
+        }
+        fn params(&self) -> &[Var] {
+            &[]
+        }
+    }
+
+    impl ModelStage for Probe {
+        fn loss(&self, out: &Tensor, _: &Tensor) -> candle_core::Result<Tensor> {
+            Ok(out.clone())
+        }
+        fn set_dropout_step(&self, step: Option<DropoutStep>) {
+            self.0.lock().unwrap().push(step);
+        }
+    }
+
+    /// Every stage of the rank gets the step for the pass and loses it after, also when
+    /// the pass ends in an error or a panic.
+    #[test]
+    fn the_step_is_set_for_the_pass_and_unset_after_it() {
+        let step = DropoutStep {
+            seed: 3,
+            step: 7,
+            first_row: 4,
+        };
+        let stages = vec![(0, Probe::default()), (2, Probe::default())];
+        let told = |s: &Probe| s.0.lock().unwrap().clone();
+        let pass = |fail: bool| -> std::result::Result<(), &'static str> {
+            let _in_step = InStep::new(&stages, step);
+            for (_, s) in &stages {
+                assert_eq!(told(s).last(), Some(&Some(step)));
+            }
+            if fail {
+                return Err("the pass failed");
+            }
+            Ok(())
+        };
+        assert!(pass(false).is_ok());
+        assert!(pass(true).is_err());
+        let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let _in_step = InStep::new(&stages, step);
+            panic!("a stage panicked");
+        }));
+        assert!(panicked.is_err());
+        for (_, s) in &stages {
+            assert_eq!(told(s), [Some(step), None].repeat(3));
+        }
+    }
+}
