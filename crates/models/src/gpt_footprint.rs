@@ -19,7 +19,9 @@
 //! block keeps `16·d + 56·d/tp + 6·T·h/tp` (the LayerNorms' five `d`-wide steps
 //! each, the GELU's nine `4·d/tp`-wide ones, six `T × T` score tensors per head;
 //! `4·d` more for the collectives' hooks when split) and one `T × T` mask per
-//! microbatch; the head keeps the logits, shifted and exponentiated. Measured against
+//! microbatch; the head keeps the logits, shifted and exponentiated. With hidden
+//! dropout the composed path keeps each site's mask and masked branch, `2·d` a site
+//! (the fused op keeps nothing). Measured against
 //! `switchyard-mem` in `switchyard-train`'s `tests/estimate.rs`.
 //!
 //! Under sequence parallelism (fused ops) what every rank held whole is this rank's
@@ -171,11 +173,20 @@ pub(crate) fn footprint(
             (block, seq_len * seq_len, 60, 5.0 * d + 5.0)
         }
     };
-    let embed = match (plan.embed, split) {
-        (false, _) => 0.0,
-        (true, false) => 2.0 * d,
-        (true, true) => 3.0 * d + if seq { d / a } else { 0.0 },
+    // Hidden dropout: the fused op keeps nothing; the composed path multiplies a mask
+    // tensor in, and candle keeps the mask and the masked branch, `2·d` a site (the
+    // embeddings' output and a block's two branches).
+    let dropout_site = match (cfg.ops, cfg.hidden_dropout > 0.0) {
+        (OpsBackend::Composed, true) => 2.0 * if sequence_parallel && split { d / a } else { d },
+        _ => 0.0,
     };
+    let block = block + 2.0 * dropout_site;
+    let embed = dropout_site * plan.embed as usize as f64
+        + match (plan.embed, split) {
+            (false, _) => 0.0,
+            (true, false) => 2.0 * d,
+            (true, true) => 3.0 * d + if seq { d / a } else { 0.0 },
+        };
     let head = match plan.head {
         false => 0.0,
         true => {

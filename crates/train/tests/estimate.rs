@@ -95,6 +95,7 @@ fn worst_errors(c: &TrainConfig<GptConfig>, cat: Category) -> (f64, f64) {
 /// Up to 4 on each axis, 2 × 2 × 2 and 1 × 4 × 4, under every schedule.
 #[test]
 fn the_predicted_peak_is_within_ten_percent_up_to_four_on_each_axis() {
+    let _alone = crate::one_at_a_time();
     let mut worst: f64 = 0.0;
     // The parity suites' layouts, and 4 on the data axis and 4 × 4.
     for &layout in LAYOUTS.iter().chain(&[(4, 1, 1), (1, 4, 4)]) {
@@ -117,6 +118,7 @@ fn the_predicted_peak_is_within_ten_percent_up_to_four_on_each_axis() {
 /// for both backends, and the fused ops' test above runs every layout and schedule.)
 #[test]
 fn the_composed_ops_are_predicted_within_ten_percent() {
+    let _alone = crate::one_at_a_time();
     let composed = |layout, s, d, layers| {
         let mut c = cfg(layout, s, gpt(d, layers));
         c.model.ops = switchyard_models::OpsBackend::Composed;
@@ -159,6 +161,7 @@ fn the_composed_ops_are_predicted_within_ten_percent() {
 /// at most a quarter of what `none` keeps at the peak, `selective` less than `none`.
 #[test]
 fn recomputation_is_predicted_and_shrinks_the_activations() {
+    let _alone = crate::one_at_a_time();
     let mut worst: f64 = 0.0;
     let activations = |c: &TrainConfig<GptConfig>| -> usize {
         let report = train(c, &Corpus::bundled(), &TrainOptions::default()).unwrap();
@@ -205,6 +208,7 @@ fn recomputation_is_predicted_and_shrinks_the_activations() {
 /// parallelism alone and with a pipeline and tensor parallelism.
 #[test]
 fn zero_is_predicted_within_ten_percent() {
+    let _alone = crate::one_at_a_time();
     let mut worst: f64 = 0.0;
     for layout in [(2, 1, 1), (4, 1, 1), (2, 2, 1), (2, 1, 2)] {
         for zero in [1, 2, 3] {
@@ -235,6 +239,7 @@ fn zero_is_predicted_within_ten_percent() {
 /// measured, the peak +8.5 %) and 1.5 × under ZB-H1 (8,938 against 5,977, +7.1 %).
 #[test]
 fn the_overlapped_all_reduce_is_predicted_by_category() {
+    let _alone = crate::one_at_a_time();
     for (layout, schedule) in [
         ((2, 1, 1), "1f1b"),
         ((2, 2, 1), "1f1b"),
@@ -261,6 +266,7 @@ fn the_overlapped_all_reduce_is_predicted_by_category() {
 /// buffers are predicted per product (on two threads, and with the vocabulary split).
 #[test]
 fn tiny_models_get_the_packing_buffers_their_products_use() {
+    let _alone = crate::one_at_a_time();
     let mut worst: f64 = 0.0;
     for (layout, threads) in [
         ((1, 1, 1), 1),
@@ -282,6 +288,7 @@ fn tiny_models_get_the_packing_buffers_their_products_use() {
 /// third of the peak, unpredicted, before the footprint counted them).
 #[test]
 fn long_sequences_count_the_attention_scratch() {
+    let _alone = crate::one_at_a_time();
     let mut worst: f64 = 0.0;
     for (layout, s, r, threads) in [
         ((1, 1, 1), "1f1b", Recompute::None, 1),
@@ -305,6 +312,7 @@ fn long_sequences_count_the_attention_scratch() {
 /// pipeline and tensor-parallel layouts, with fewer activation bytes than f32's.
 #[test]
 fn bf16_is_predicted_within_ten_percent() {
+    let _alone = crate::one_at_a_time();
     let at_layout = |layout, precision| {
         let mut c = cfg(layout, "1f1b", gpt(128, 8));
         c.model.precision = precision;
@@ -350,6 +358,7 @@ fn bf16_is_predicted_within_ten_percent() {
 /// parallel part `P` and the replicated part `R`.
 #[test]
 fn sequence_parallelism_is_predicted_and_divides_the_replicated_activations() {
+    let _alone = crate::one_at_a_time();
     let at = |layout, s, precision, sp, layers| {
         let mut c = cfg(layout, s, gpt(128, layers));
         c.model.precision = precision;
@@ -414,6 +423,7 @@ fn sequence_parallelism_is_predicted_and_divides_the_replicated_activations() {
 /// their parameters, packed weights and activations are predicted within ten percent.
 #[test]
 fn mixtures_of_experts_are_predicted_within_ten_percent() {
+    let _alone = crate::one_at_a_time();
     let mut worst: f64 = 0.0;
     for (layout, s, top_k, every) in [
         ((1, 1, 1), "1f1b", 2, 2),
@@ -466,6 +476,7 @@ fn mixtures_of_experts_are_predicted_within_ten_percent() {
 /// within 10 %.
 #[test]
 fn hidden_dropout_keeps_nothing_more() {
+    let _alone = crate::one_at_a_time();
     let at = |layout, s, precision, sp, p| {
         let mut c = cfg(layout, s, gpt(128, 4));
         c.model.precision = precision;
@@ -504,6 +515,29 @@ fn hidden_dropout_keeps_nothing_more() {
             "{layout:?} {s} {precision:?} sp {sp}: {dropped:?} against {plain:?}"
         );
         worst = worst.max(worst_error(&with));
+    }
+    assert!(worst <= 0.10, "worst error {:.1} %", 100.0 * worst);
+}
+
+/// The composed ops' dropout multiplies a mask tensor in, and candle keeps the mask and
+/// the masked branch for the backward: predicted within 10 % too (without that term,
+/// −12.1 % at 1 × 2 × 2; what is left, −6.4 % there, is mostly the gradients candle
+/// computes for the masks in the backward, which the estimate does not count).
+#[test]
+fn the_composed_ops_dropout_is_predicted_within_ten_percent() {
+    let _alone = crate::one_at_a_time();
+    let mut worst: f64 = 0.0;
+    for (layout, s) in [
+        ((1, 1, 1), "1f1b"),
+        ((1, 2, 2), "1f1b"),
+        ((2, 1, 2), "1f1b"),
+    ] {
+        let mut c = cfg(layout, s, gpt(128, 4));
+        c.model.ops = switchyard_models::OpsBackend::Composed;
+        c.model.hidden_dropout = 0.1;
+        (c.seq_len, c.model.block_size) = (64, 64);
+        (c.microbatches, c.batch) = (8, 32);
+        worst = worst.max(worst_error(&c));
     }
     assert!(worst <= 0.10, "worst error {:.1} %", 100.0 * worst);
 }

@@ -54,6 +54,7 @@ fn about(got: usize, payload: usize, tensors: usize, what: &str) {
 
 #[test]
 fn parameters_and_optimizer_state_are_what_each_rank_holds() {
+    let _alone = crate::one_at_a_time();
     let c = cfg(1, 1, 1);
     let params = c.model.param_count();
     let n = Model::param_shapes(&c.model).unwrap().len();
@@ -87,6 +88,7 @@ fn parameters_and_optimizer_state_are_what_each_rank_holds() {
 
 #[test]
 fn the_first_pipeline_stage_stashes_more_activations_than_the_last() {
+    let _alone = crate::one_at_a_time();
     // 1F1B: stage 0 holds p microbatches in flight, the last stage one.
     let m = memory(&cfg(1, 2, 1));
     let act = |r: usize| m[r].bytes_by_category["activations"];
@@ -123,6 +125,7 @@ fn largest_segment(c: &TrainConfig<GptConfig>) -> usize {
 ///   shard of it to the peak.
 #[test]
 fn zero_shards_the_optimizer_state_over_the_replicas() {
+    let _alone = crate::one_at_a_time();
     for dp in [2, 4] {
         let mut base = cfg(dp, 1, 1);
         base.batch = 4 * dp;
@@ -233,6 +236,7 @@ fn zero_shards_the_optimizer_state_over_the_replicas() {
 /// category). The report's own per-step records (loss, time, ...) do grow, in `other`.
 #[test]
 fn a_long_run_holds_no_more_gradients_than_a_short_one() {
+    let _alone = crate::one_at_a_time();
     let mut c = cfg(1, 2, 1);
     c.microbatches = 8;
     let gradients = |steps: usize| -> Vec<usize> {
