@@ -36,7 +36,7 @@
 
 use switchyard_shard::OpsBackend;
 
-use crate::gpt::WTE;
+use crate::gpt_model::WTE;
 use crate::{Activations, Footprint, GptConfig, ModelError, StagePlan};
 
 /// What stage `plan` of `cfg` holds and saves on one rank of a tensor-parallel group of

@@ -22,7 +22,7 @@ use std::collections::HashMap;
 use candle_core::Tensor;
 use serde_json::{json, Value};
 
-use crate::gpt::{is_buffer, LM_HEAD};
+use crate::gpt_model::{is_buffer, LM_HEAD};
 use crate::{GptConfig, ModelError, LN_EPS};
 
 /// The weights whose layout is `[in, out]` in GPT-2's `Conv1D`.

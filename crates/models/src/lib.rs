@@ -50,6 +50,7 @@ mod dropout;
 mod error;
 mod gpt;
 mod gpt_footprint;
+mod gpt_model;
 pub mod hf;
 mod mlp;
 mod model;
