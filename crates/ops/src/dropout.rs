@@ -125,12 +125,18 @@ impl DropoutMask {
         dev: &Device,
     ) -> Result<Tensor> {
         let (b, t, d) = dims;
-        let m: Vec<f64> = (0..b * t * d)
-            .map(|i| match self.keeps(i / (t * d), (i / d) % t, i % d) {
-                true => self.scale(),
+        let (threshold, scale) = (self.threshold(), self.scale());
+        let mut m = Vec::with_capacity(b * t * d);
+        for r in 0..b * t {
+            let bits = self.row_bits(
+                self.first_row + (r / t) as u64,
+                self.first_position + (r % t) as u64,
+            );
+            m.extend((0..d).map(|j| match keep(bits, j as u32, threshold) {
+                true => scale,
                 false => 0.0,
-            })
-            .collect();
+            }));
+        }
         Tensor::from_vec(m, (b, t, d), &Device::Cpu)?
             .to_dtype(dtype)?
             .to_device(dev)
